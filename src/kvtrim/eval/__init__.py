@@ -1,0 +1,1 @@
+"""Offline evaluation: synthetic long-context tasks generated in code."""

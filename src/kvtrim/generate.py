@@ -1,0 +1,85 @@
+"""A thin helper over `model.generate` with a `TrimCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.cache import CacheStats, TrimCache
+from kvtrim.methods.base import EvictionMethod, check
+
+
+@dataclass
+class Generation:
+    text: str
+    new_tokens: torch.Tensor  # (new_len,)
+    prompt_tokens: int
+    stats: CacheStats
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> torch.Tensor:
+    """Token ids `(1, n)` of `prompt`, through the chat template when `chat` and the tokenizer has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        return ids
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    method: EvictionMethod | None = None,
+    max_new_tokens: int = 32,
+    cache: TrimCache | None = None,
+    **generate_kwargs,
+) -> tuple[torch.Tensor, TrimCache]:
+    """`model.generate` with a fresh `TrimCache(method)` (greedy unless told otherwise).
+
+    Returns `(new_token_ids (batch, new_len), cache)`.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    n = input_ids.shape[-1]
+    check(
+        limit is None or n + max_new_tokens <= limit,
+        f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's context of {limit} tokens",
+    )
+    cache = cache if cache is not None else TrimCache(method, config=model.config)
+    generate_kwargs.setdefault("do_sample", False)
+    mask = generate_kwargs.pop("attention_mask", None)
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    out = model.generate(
+        input_ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=generate_kwargs.pop("pad_token_id", None) or _pad_id(model),
+        **generate_kwargs,
+    )
+    return out[:, n:], cache
+
+
+def _pad_id(model) -> int | None:
+    cfg = model.generation_config
+    eos = cfg.eos_token_id
+    return cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+
+
+def generate_text(
+    model,
+    tokenizer,
+    prompt: str,
+    method: EvictionMethod | None = None,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    **generate_kwargs,
+) -> Generation:
+    """Generate a completion of `prompt` (batch size 1) and report the cache statistics."""
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    new, cache = generate(model, ids, method, max_new_tokens=max_new_tokens, **generate_kwargs)
+    text = tokenizer.decode(new[0], skip_special_tokens=True)
+    return Generation(text, new[0], ids.shape[-1], cache.stats())

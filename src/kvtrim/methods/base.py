@@ -1,0 +1,93 @@
+"""The small interface every eviction method implements.
+
+A method is a dataclass of hyper-parameters plus pure tensor functions (in its own module). The cache
+layer (`kvtrim.cache.TrimLayer`) owns the tensors and calls the method at two moments only:
+
+* `on_update(layer, n_new)` right after new entries were appended (inside `Cache.update`, so the
+  current step still attends to everything: the layer returns the full tensors to attention and only
+  stores the kept subset);
+* `on_attention(layer, queries, attention)` right after the layer's attention was computed, for
+  methods that need the post-RoPE queries or the attention probabilities (only reached through
+  kvtrim's attention function, see `kvtrim.attention`).
+
+Either hook returns the indices of the stored entries to keep, shaped `(batch, kv_heads, n_keep)` and
+sorted ascending along the last dimension, or `None` to keep everything. Per-layer state (counters,
+accumulated scores) lives in `layer.state`, created by `new_state`; tensors in it whose third
+dimension is the sequence are gathered with the kept indices by `gather_state`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtrim.cache import TrimLayer
+
+
+class KvtrimError(ValueError):
+    """A user-facing error with a one-line message (bad parameter, unsupported input)."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise `KvtrimError(message)` unless `condition` holds."""
+    if not condition:
+        raise KvtrimError(message)
+
+
+@dataclass
+class EvictionMethod:
+    """Base class of all methods. Subclasses are dataclasses whose fields are the hyper-parameters."""
+
+    #: short name used by the CLI and the registry
+    name: ClassVar[str] = "base"
+    #: one line for `kvtrim methods`
+    summary: ClassVar[str] = ""
+    #: True when `on_attention` needs the post-RoPE queries (kvtrim's attention function must be enabled)
+    needs_queries: ClassVar[bool] = False
+    #: True when `on_attention` needs the attention probabilities of decode steps
+    needs_attention: ClassVar[bool] = False
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def new_state(self, layer_idx: int) -> Any:
+        """Per-layer mutable state; `None` when the method keeps none."""
+        return None
+
+    def on_update(self, layer: TrimLayer, n_new: int) -> torch.Tensor | None:
+        """Called after `n_new` entries were appended to `layer`. Return kept indices or None."""
+        return None
+
+    def on_attention(
+        self,
+        layer: TrimLayer,
+        queries: torch.Tensor | None,
+        attention: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Called after the layer's attention. `queries`: `(batch, q_heads, q_len, head_dim)`, post-RoPE.
+        `attention`: `(batch, q_heads, q_len, n_stored)` probabilities for single-token decode steps, else None."""
+        return None
+
+    def gather_state(self, state: Any, keep: torch.Tensor) -> Any:
+        """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept."""
+        return state
+
+    # ---- description -------------------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def describe(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({inner})"
+
+
+def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    """`arange(start, stop)` broadcast to `(batch, kv_heads, stop - start)` of `like` `(batch, kv_heads, ...)`."""
+    b, h = like.shape[:2]
+    return torch.arange(start, stop, device=like.device).expand(b, h, stop - start)
+
+
+def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest `scores` along the last dim, sorted ascending (position order)."""
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values

@@ -1,0 +1,15 @@
+"""The full-cache baseline: keeps every entry (what `DynamicCache` does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrim.methods.base import EvictionMethod
+
+
+@dataclass
+class FullCache(EvictionMethod):
+    """Keep everything. With it, `TrimCache` gives bit-identical results to `DynamicCache`."""
+
+    name = "full"
+    summary = "no eviction (the full-cache baseline)"

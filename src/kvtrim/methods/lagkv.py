@@ -1,0 +1,246 @@
+"""LagKV (Liang et al., arXiv 2504.04704): attention-free eviction by lag-relative statistics.
+
+The cache of each layer and KV head is cut, after `sink_size` sinks, into partitions of `lag_size`
+entries on a fixed grid. Each partition is scored against the *next* one: the next partition's
+per-channel min and max normalise the current keys (and values), the spread (std over channels) of
+each normalised token is turned into a distribution by a softmax over the partition, and
+`score = softmax_K + value_weight * softmax_V`. Each partition keeps its `floor(keep_ratio * lag_size)`
+best tokens; the sinks and the last full partition plus the remainder (the window, which has no
+successor yet) are kept whole. A compressed partition is never scored again.
+
+Reference mode (`keep_ratio=`) follows the official `LagKV(DynamicCache)`: compression happens inside
+the cache update whenever the uncompressed window reaches `2 * lag_size` — during prefill (all
+complete partitions at once) and again every `lag_size` decoded tokens. Because the grid is anchored
+after the sinks, the same entries are selected whether tokens arrive in one forward, in chunks or one
+by one (for the same keys and values).
+
+Global-budget mode (`compression_ratio=`) follows kvpress's `LagKVPress`, which the paper used for its
+RULER tables: once, after the prefill, partition tokens get their rank within the partition divided
+by `lag_size`, sinks and window get an always-keep score, and one top-k per head keeps
+`int(n * (1 - compression_ratio))` entries — so the per-partition share adapts to the target ratio.
+
+Deviations (documented, all harmless where the reference is well defined):
+* scoring runs in float32 and the min-max range is clamped to at least `eps` (the official code
+  divides by zero on a constant channel and then ranks NaNs);
+* kept indices are sorted by position (the official code keeps them in score order; attention is
+  unaffected);
+* global mode: inputs shorter than `sink_size + 2 * lag_size` are not compressed (kvpress falls back to
+  a StreamingLLM-like ramp there); ties at the budget boundary go to the earlier entry (kvpress breaks
+  them arbitrarily, and can drop sinks at extreme ratios; here sinks and window win ties).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.methods.base import EvictionMethod, check, span
+
+
+# ---- pure tensor functions ----------------------------------------------------------------------
+def lag_relative_scores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lag_size: int,
+    value_weight: float = 1.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Scores of the first `m` of `m + 1` consecutive partitions, each against its successor.
+
+    Args:
+        keys, values: `(batch, kv_heads, (m + 1) * lag_size, head_dim)`.
+    Returns:
+        `(batch, kv_heads, m, lag_size)` float32 scores (higher = keep).
+    """
+    b, h, n, d = keys.shape
+    parts = n // lag_size
+
+    def component(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().view(b, h, parts, lag_size, -1)
+        ref = x[:, :, 1:]
+        lo = ref.amin(dim=-2, keepdim=True)
+        hi = ref.amax(dim=-2, keepdim=True)
+        normed = (x[:, :, :-1] - lo) / (hi - lo).clamp_min(eps)
+        return normed.std(dim=-1).softmax(dim=-1)  # unbiased std over channels, as torch.std defaults
+
+    scores = component(keys)
+    if value_weight:
+        scores = scores + value_weight * component(values)
+    return scores
+
+
+def lagkv_stored_length(n: int, sink_size: int, lag_size: int, keep_ratio: float) -> int:
+    """Entries LagKV's reference mode stores after `n` tokens (paper Eq. 12 with `floor(r * L)`)."""
+    if n < sink_size + 2 * lag_size:
+        return n
+    parts, rest = divmod(n - sink_size, lag_size)
+    return sink_size + math.floor(keep_ratio * lag_size) * (parts - 1) + lag_size + rest
+
+
+def lagkv_keep_ratio_for(compression_ratio: float, length: int, sink_size: int = 16, lag_size: int = 128) -> float:
+    """The largest per-partition `keep_ratio` (a multiple of `1 / lag_size`) whose cache, after `length`
+    tokens, removes at least `compression_ratio` of them (paper Eq. 12-13 solved for r)."""
+    check(0 <= compression_ratio < 1, f"compression_ratio must be in [0, 1), got {compression_ratio}")
+    if compression_ratio == 0:
+        return 1.0
+    check(
+        length >= sink_size + 2 * lag_size,
+        f"LagKV does not compress {length} tokens (needs at least sink_size + 2 * lag_size = "
+        f"{sink_size + 2 * lag_size})",
+    )
+    parts, rest = divmod(length - sink_size, lag_size)
+    budget = (1 - compression_ratio) * length - sink_size - lag_size - rest
+    k = min(lag_size, math.floor(budget / (parts - 1) + 1e-9))
+    check(
+        k >= 1,
+        f"compression ratio {compression_ratio} is out of reach for {length} tokens with sink_size={sink_size}, "
+        f"lag_size={lag_size} (the sinks and the window alone keep more)",
+    )
+    return k / lag_size
+
+
+def lagkv_select_reference(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sink_size: int,
+    lag_size: int,
+    keep_ratio: float,
+    compressed: int = 0,
+    value_weight: float = 1.0,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor | None, int]:
+    """One incremental LagKV step on a stored cache.
+
+    Args:
+        keys, values: `(batch, kv_heads, n, head_dim)`: sinks, `compressed` already compressed entries,
+            then the uncompressed window.
+    Returns:
+        `(keep, compressed')`: indices `(batch, kv_heads, n_keep)` sorted ascending (None when nothing is
+        due) and the new length of the compressed region.
+    """
+    n = keys.shape[-2]
+    base = sink_size + compressed
+    if n - base < 2 * lag_size:
+        return None, compressed
+    parts = (n - base) // lag_size
+    scored = parts - 1
+    k = math.floor(keep_ratio * lag_size)
+    if k >= lag_size:
+        return None, compressed + scored * lag_size
+    end = base + parts * lag_size
+    scores = lag_relative_scores(keys[:, :, base:end], values[:, :, base:end], lag_size, value_weight, eps)
+    top = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (b, h, scored, k)
+    offsets = base + lag_size * torch.arange(scored, device=keys.device)
+    picked = (top + offsets[:, None]).flatten(-2)
+    keep = torch.cat([span(0, base, keys), picked, span(base + scored * lag_size, n, keys)], dim=-1)
+    return keep, compressed + scored * k
+
+
+def lagkv_select_global(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sink_size: int,
+    lag_size: int,
+    compression_ratio: float,
+    value_weight: float = 1.0,
+    eps: float = 1e-6,
+) -> torch.Tensor | None:
+    """kvpress-style one-shot LagKV: rank within partitions, then one top-k per head.
+
+    Returns indices `(batch, kv_heads, int(n * (1 - compression_ratio)))` sorted ascending, or None.
+    """
+    b, h, n, _ = keys.shape
+    n_keep = int(n * (1 - compression_ratio))
+    if n < sink_size + 2 * lag_size or n_keep >= n:
+        return None
+    parts = (n - sink_size) // lag_size
+    end = sink_size + (parts - 1) * lag_size  # the last full partition and the remainder stay
+    scores = lag_relative_scores(
+        keys[:, :, sink_size : end + lag_size], values[:, :, sink_size : end + lag_size], lag_size, value_weight, eps
+    )
+    ranks = scores.argsort(dim=-1).argsort(dim=-1).float() / lag_size  # in [0, (L-1)/L]
+    full = torch.full((b, h, n), 2.0, device=keys.device)  # sinks and window: always kept first
+    full[:, :, sink_size:end] = ranks.flatten(-2)
+    order = full.sort(dim=-1, descending=True, stable=True).indices  # ties -> earlier entry
+    return order[..., :n_keep].sort(dim=-1).values
+
+
+# ---- the method ---------------------------------------------------------------------------------
+@dataclass
+class _LagState:
+    compressed: int = 0  # entries in the compressed region (after the sinks)
+    done: bool = False  # global mode: the one-shot compression happened
+
+
+@dataclass
+class LagKV(EvictionMethod):
+    """LagKV eviction. Reference mode by default; `compression_ratio=` selects the global-budget mode.
+
+    Args:
+        sink_size: first entries never evicted (S).
+        lag_size: partition length (L).
+        keep_ratio: fraction of each partition kept (r, the official `ratio`), in (0, 1]; default 0.5.
+        compression_ratio: global-budget mode: fraction of the prefill removed, in [0, 1).
+        value_weight: weight of the value score (`score_v_ratio`; 1.0 in the paper).
+        skip_layers: layer indices left uncompressed.
+        eps: lower bound of the min-max range (zero-range guard).
+    """
+
+    name = "lagkv"
+    summary = "lag-relative K/V statistics per partition; attention-free (LagKV)"
+
+    sink_size: int = 16
+    lag_size: int = 128
+    keep_ratio: float | None = None
+    compression_ratio: float | None = None
+    value_weight: float = 1.0
+    skip_layers: tuple[int, ...] = ()
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        check(
+            self.keep_ratio is None or self.compression_ratio is None,
+            "LagKV takes keep_ratio= (reference mode) or compression_ratio= (global-budget mode), not both",
+        )
+        if self.compression_ratio is None and self.keep_ratio is None:
+            self.keep_ratio = 0.5
+        check(self.sink_size >= 0, f"sink_size must be >= 0, got {self.sink_size}")
+        check(self.lag_size >= 1, f"lag_size must be >= 1, got {self.lag_size}")
+        if self.keep_ratio is not None:
+            check(0 < self.keep_ratio <= 1, f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
+            check(
+                math.floor(self.keep_ratio * self.lag_size) >= 1,
+                f"keep_ratio * lag_size must keep at least one token per partition "
+                f"(got {self.keep_ratio} * {self.lag_size})",
+            )
+        else:
+            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+        check(self.value_weight >= 0, f"value_weight must be >= 0, got {self.value_weight}")
+        self.skip_layers = tuple(int(i) for i in self.skip_layers)
+
+    @property
+    def mode(self) -> str:
+        return "reference" if self.compression_ratio is None else "global"
+
+    def new_state(self, layer_idx):
+        return _LagState()
+
+    def on_update(self, layer, n_new):
+        if layer.layer_idx in self.skip_layers:
+            return None
+        state: _LagState = layer.state
+        if self.compression_ratio is not None:
+            if state.done:
+                return None
+            state.done = True  # one shot, after the first forward (the prefill)
+            return lagkv_select_global(
+                layer.keys, layer.values, self.sink_size, self.lag_size, self.compression_ratio,
+                self.value_weight, self.eps,
+            )
+        keep, state.compressed = lagkv_select_reference(
+            layer.keys, layer.values, self.sink_size, self.lag_size, self.keep_ratio,
+            state.compressed, self.value_weight, self.eps,
+        )
+        return keep

