@@ -73,6 +73,13 @@ class EvictionMethod:
         """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept."""
         return state
 
+    @classmethod
+    def at_budget(cls, budget: int, context_length: int, **params) -> EvictionMethod:
+        """This method configured to hold about `budget` entries per KV head and layer once a prompt of
+        `context_length` tokens is in the cache. Sweeps use it to compare methods at equal memory
+        (`budget = int(context_length * (1 - compression_ratio))`)."""
+        raise NotImplementedError(f"{cls.__name__} has no budget form")
+
     # ---- description -------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

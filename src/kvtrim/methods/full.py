@@ -13,3 +13,7 @@ class FullCache(EvictionMethod):
 
     name = "full"
     summary = "no eviction (the full-cache baseline)"
+
+    @classmethod
+    def at_budget(cls, budget, context_length, **params):
+        return cls()

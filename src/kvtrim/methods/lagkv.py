@@ -220,6 +220,14 @@ class LagKV(EvictionMethod):
         check(self.value_weight >= 0, f"value_weight must be >= 0, got {self.value_weight}")
         self.skip_layers = tuple(int(i) for i in self.skip_layers)
 
+    @classmethod
+    def at_budget(cls, budget, context_length, **params):
+        """Reference mode with the largest keep_ratio whose cache after `context_length` tokens fits
+        `budget` (Eq. 12-13); the global-budget mode when `compression_ratio` is asked for instead."""
+        sink, lag = params.get("sink_size", 16), params.get("lag_size", 128)
+        ratio = 1 - budget / context_length
+        return cls(keep_ratio=lagkv_keep_ratio_for(ratio, context_length, sink, lag), **params)
+
     @property
     def mode(self) -> str:
         return "reference" if self.compression_ratio is None else "global"

@@ -49,6 +49,10 @@ class StreamingLLM(EvictionMethod):
         else:
             check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
 
+    @classmethod
+    def at_budget(cls, budget, context_length, **params):
+        return cls(budget=budget, **params)
+
     def on_update(self, layer, n_new):
         n = layer.stored
         if self.budget is not None:
