@@ -89,6 +89,7 @@ class TrimLayer(DynamicLayer):
         self.peak = 0
         self.evictions = 0
         self.state = method.new_state(layer_idx)
+        self.attn_scaling: float | None = None  # set by `after_attention`
         self._awaiting_attention = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -131,9 +132,14 @@ class TrimLayer(DynamicLayer):
             _PENDING_LAYER.set(self)
         return full_keys, full_values
 
-    def after_attention(self, queries: torch.Tensor | None, attention: torch.Tensor | None) -> None:
-        """Called by kvtrim's attention function once this layer's attention output is computed."""
+    def after_attention(
+        self, queries: torch.Tensor | None, attention: torch.Tensor | None, scaling: float | None = None
+    ) -> None:
+        """Called by kvtrim's attention function once this layer's attention output is computed.
+
+        `scaling`: the softmax scale the layer used (kept as `attn_scaling` for methods that recompute q.K)."""
         self._awaiting_attention = False
+        self.attn_scaling = scaling
         self._evict(self.method.on_attention(self, queries, attention))
 
     def _evict(self, keep: torch.Tensor | None) -> None:
