@@ -78,15 +78,18 @@ def cmd_generate(args) -> int:
     import torch
 
     from kvtrim.generate import encode_prompt, generate
-    from kvtrim.models import load_model, parse_dtype
+    from kvtrim.models import check_fits, load_model, load_tokenizer_and_config, parse_dtype
 
-    method = method_from_args(args)  # validate before the (slow) model load
+    # validate everything before the (slow) weight load
+    method = method_from_args(args)
     check_positive(args.max_new_tokens, "--max-new-tokens")
     parse_dtype(args.dtype)
     prompt = _read_prompt(args)
+    tok, config = load_tokenizer_and_config(args.model)
+    ids = encode_prompt(tok, prompt, chat=not args.raw)
+    check_fits(config, ids.shape[-1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    ids = encode_prompt(tok, prompt, chat=not args.raw)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {}
     new, cache = generate(model, ids, method, max_new_tokens=args.max_new_tokens, **sampling)
     text = tok.decode(new[0], skip_special_tokens=True)
@@ -158,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the CLI's stderr for our own messages
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

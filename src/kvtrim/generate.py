@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtrim.cache import CacheStats, TrimCache
-from kvtrim.methods.base import EvictionMethod, check
+from kvtrim.methods.base import EvictionMethod
+from kvtrim.models import check_fits
 
 
 @dataclass
@@ -41,12 +42,8 @@ def generate(
 
     Returns `(new_token_ids (batch, new_len), cache)`.
     """
-    limit = getattr(model.config, "max_position_embeddings", None)
     n = input_ids.shape[-1]
-    check(
-        limit is None or n + max_new_tokens <= limit,
-        f"prompt of {n} tokens plus {max_new_tokens} new tokens exceeds the model's context of {limit} tokens",
-    )
+    check_fits(model.config, n, max_new_tokens)
     cache = cache if cache is not None else TrimCache(method, config=model.config)
     generate_kwargs.setdefault("do_sample", False)
     mask = generate_kwargs.pop("attention_mask", None)

@@ -165,14 +165,29 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def load_tokenizer_and_config(name: str = DEFAULT_MODEL):
+    """The tokenizer and config of a model, without its weights (fast; for validating input early)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = resolve_model_dir(name)
+    try:
+        return AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
+    except OSError as err:
+        raise KvtrimError(f"could not load model '{name}': {str(err).splitlines()[0]}") from err
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = torch.float32,
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    kvtrim_attention: bool = True,
 ):
     """Load a named offline model (see `MODELS`), a local model directory or a hub id.
 
+    `kvtrim_attention`: switch the model to kvtrim's attention function (`kvtrim.enable`), which the
+    attention-based methods need; outputs are unchanged otherwise. Only "sdpa" and "eager" have a kvtrim
+    wrapper; other implementations are left as they are (attention-free methods still work).
     Returns `(model, tokenizer)`, the model in eval mode on `device`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,9 +200,19 @@ def load_model(
         )
     except OSError as err:
         raise KvtrimError(f"could not load model '{name}': {str(err).splitlines()[0]}") from err
+    if kvtrim_attention:
+        from kvtrim.attention import WRAPPERS, enable
+
+        if model.config._attn_implementation in WRAPPERS:
+            enable(model)
     return model.to(device).eval(), tok
 
 
-def max_context(model) -> int:
-    """The longest sequence the model was configured for."""
-    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+def check_fits(config, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse a prompt that, with the tokens to generate, exceeds the model's configured context."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and prompt_tokens + new_tokens > limit:
+        raise KvtrimError(
+            f"prompt of {prompt_tokens} tokens plus {new_tokens} new tokens exceeds the model's context of "
+            f"{limit} tokens"
+        )
