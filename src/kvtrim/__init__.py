@@ -1,7 +1,13 @@
 """kvtrim: KV-cache eviction for long-context inference with Hugging Face transformers."""
 
+from kvtrim.attention import disable, enable, is_enabled
 from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.methods import (
+    H2O,
+    TOVA,
+    LazyEviction,
+    SnapKV,
+    estimate_window,
     METHODS,
     EvictionMethod,
     FullCache,
@@ -16,6 +22,14 @@ from kvtrim.methods import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "is_enabled",
+    "estimate_window",
+    "enable",
+    "disable",
+    "TOVA",
+    "SnapKV",
+    "LazyEviction",
+    "H2O",
     "METHODS",
     "CacheStats",
     "EvictionMethod",

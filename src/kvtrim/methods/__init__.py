@@ -8,10 +8,17 @@ import typing
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError
 from kvtrim.methods.full import FullCache
+from kvtrim.methods.h2o import H2O
 from kvtrim.methods.lagkv import LagKV, lagkv_keep_ratio_for, lagkv_stored_length
+from kvtrim.methods.lazy_eviction import LazyEviction, estimate_window
+from kvtrim.methods.snapkv import SnapKV
 from kvtrim.methods.streaming import StreamingLLM
+from kvtrim.methods.tova import TOVA
 
 METHODS: dict[str, type[EvictionMethod]] = {cls.name: cls for cls in (FullCache, LagKV, StreamingLLM)}
+
+for _cls in (SnapKV, H2O, TOVA, LazyEviction):  # attention-based methods (need kvtrim.enable(model))
+    METHODS[_cls.name] = _cls
 
 
 def method_params(cls: type[EvictionMethod]) -> list[dataclasses.Field]:
@@ -43,6 +50,11 @@ def make_method(name: str, **params) -> EvictionMethod:
 
 
 __all__ = [
+    "estimate_window",
+    "TOVA",
+    "SnapKV",
+    "LazyEviction",
+    "H2O",
     "METHODS",
     "EvictionMethod",
     "FullCache",

@@ -1,0 +1,50 @@
+"""Pure helpers shared by the attention-based methods (SnapKV, H2O, TOVA, LazyEviction).
+
+Shapes: queries `(batch, q_heads, q_len, head_dim)` (post-RoPE, as kvtrim's attention function hands
+them over), keys `(batch, kv_heads, n, head_dim)`; query head `h` belongs to KV head `h // group`
+(the `repeat_kv` convention of `transformers`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtrim.methods.base import check
+
+
+def layer_scaling(layer, queries: torch.Tensor) -> float:
+    """The softmax scale the layer used (handed over by kvtrim's attention), else `head_dim ** -0.5`."""
+    scale = getattr(layer, "attn_scaling", None)
+    return float(scale) if scale is not None else queries.shape[-1] ** -0.5
+
+
+def require_queries(queries: torch.Tensor | None, method: str) -> torch.Tensor:
+    check(queries is not None, f"{method} needs the layer's queries: run the model with kvtrim.enable(model)")
+    return queries
+
+
+def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`(batch, q_heads, ...)` -> `(batch, kv_heads, group, ...)`."""
+    return x.view(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
+
+
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention (float32) of the last `q_len` positions of the sequence over all `n` keys.
+
+    Query `i` sits at position `n - q_len + i` and sees keys `0 .. n - q_len + i` (causal, no padding).
+
+    Returns:
+        `(batch, kv_heads, group, q_len, n)` probabilities.
+    """
+    b, h, q, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    logits = torch.matmul(grouped(queries.float(), hkv), keys.float()[:, :, None].transpose(-1, -2)) * scaling
+    future = torch.arange(n, device=keys.device)[None, :] > (n - q + torch.arange(q, device=keys.device))[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` highest `scores` along the last dim, sorted ascending; ties go to the earlier entry
+    (deterministic, unlike `torch.topk`)."""
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values

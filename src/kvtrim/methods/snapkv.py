@@ -1,0 +1,140 @@
+"""SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469).
+
+After the prompt's forward pass, the last `window` prompt queries (the observation window) vote for the
+earlier entries: `score_i = mean over window queries (and over the query heads of the KV head's GQA
+group) of softmax(q K^T * scale)_i`, smoothed by a 1-D pooling (`max` or `avg`, odd `kernel`, stride 1,
+zero/-inf padding `kernel // 2` as `max_pool1d` / `avg_pool1d` with `count_include_pad` do). Each KV
+head keeps its top `budget - window` scored entries plus the window itself. Decoding appends without
+eviction, as in the paper.
+
+The window attention is recomputed from the queries kvtrim's attention function hands over (one small
+`window x n` product per KV head, float32, causal inside the window), so the model runs SDPA.
+
+Modes: `budget=` (entries per KV head; prompts of at most `budget` entries are left alone) or
+`compression_ratio=` (once, after the first forward: keep `int(n * (1 - compression_ratio))`, the window
+shrinking to that number when it is smaller; kvpress convention).
+
+Deviations and choices (documented):
+* GQA: the official code predates GQA (it repeats K/V per query head); the score is averaged over the
+  query heads of each group so that one selection per KV head frees memory (kvpress does the same).
+* Ties (frequent after max pooling) go to the earlier entry; the official `topk` breaks them arbitrarily.
+* Budget mode acts after *every* multi-token forward whose cache exceeds the budget, so a chunked
+  prefill (`generate(..., prefill_chunk_size=)`) becomes block-wise SnapKV (each chunk's last queries
+  score the retained cache plus the chunk); with a one-shot prefill this is exactly the paper's rule.
+  Single-token (decode) steps never evict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries, top_indices
+from kvtrim.methods.base import EvictionMethod, check, span
+
+
+# ---- pure tensor functions ----------------------------------------------------------------------
+def snapkv_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    window: int,
+    kernel: int,
+    pooling: str,
+    scaling: float,
+) -> torch.Tensor:
+    """Pooled observation-window scores of the entries before the last `window` keys.
+
+    Args:
+        queries: `(batch, q_heads, q_len, head_dim)`, the queries of the last `q_len` positions; the last
+            `min(window, q_len)` of them form the observation window.
+        keys: `(batch, kv_heads, n, head_dim)`, n > window.
+    Returns:
+        `(batch, kv_heads, n - window)` float32 scores (higher = keep).
+    """
+    obs = queries[:, :, -min(window, queries.shape[2]):]
+    probs = causal_attention(obs, keys, scaling)  # (b, hkv, group, w, n)
+    n = keys.shape[2]
+    scores = probs[..., : n - window].mean(dim=(2, 3))  # (b, hkv, n - window)
+    b, h, m = scores.shape
+    flat = scores.reshape(b * h, 1, m)
+    if pooling == "max":
+        flat = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        flat = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return flat.view(b, h, m)
+
+
+def snapkv_keep(scores: torch.Tensor, n: int, window: int, n_keep: int) -> torch.Tensor:
+    """Top `n_keep - window` of `scores` `(batch, kv_heads, n - window)` plus the last `window` of `n`
+    entries: indices `(batch, kv_heads, n_keep)` sorted ascending."""
+    return torch.cat([top_indices(scores, n_keep - window), span(n - window, n, scores)], dim=-1)
+
+
+# ---- the method ---------------------------------------------------------------------------------
+@dataclass
+class _SnapState:
+    forwards: int = 0  # multi-token forwards seen
+
+
+@dataclass
+class SnapKV(EvictionMethod):
+    """SnapKV: one-shot prompt compression by the observation window's pooled attention.
+
+    Args:
+        window: observation window (last prompt queries; those entries are always kept), >= 1.
+        kernel: pooling kernel, odd, >= 1 (1 = no pooling).
+        pooling: "max" or "avg".
+        budget: entries kept per KV head per layer after the prompt (>= window).
+        compression_ratio: alternatively, the fraction of the prompt removed, in [0, 1).
+    """
+
+    name = "snapkv"
+    summary = "observation-window attention, pooled, once after the prompt (SnapKV); needs kvtrim attention"
+    needs_queries = True
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    budget: int | None = None
+    compression_ratio: float | None = None
+
+    def __post_init__(self):
+        check(self.window >= 1, f"window must be >= 1, got {self.window}")
+        check(self.kernel >= 1 and self.kernel % 2 == 1, f"kernel must be an odd integer >= 1, got {self.kernel}")
+        check(self.pooling in ("max", "avg"), f"pooling must be 'max' or 'avg', got '{self.pooling}'")
+        check(
+            (self.budget is None) != (self.compression_ratio is None),
+            "SnapKV needs exactly one of budget= or compression_ratio=",
+        )
+        if self.budget is not None:
+            check(self.budget >= self.window, f"budget ({self.budget}) must be >= window ({self.window})")
+        else:
+            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+
+    @classmethod
+    def at_budget(cls, budget, context_length, **params):
+        return cls(budget=budget, **params)
+
+    def new_state(self, layer_idx):
+        return _SnapState()
+
+    def on_attention(self, layer, queries, attention):
+        queries = require_queries(queries, "SnapKV")
+        if queries.shape[2] == 1:  # decode step: the paper appends without eviction
+            return None
+        state: _SnapState = layer.state
+        state.forwards += 1
+        n = layer.stored
+        if self.budget is not None:
+            n_keep, window = self.budget, self.window
+        else:
+            if state.forwards > 1:
+                return None
+            n_keep = int(n * (1 - self.compression_ratio))
+            window = min(self.window, n_keep)
+        if n <= n_keep or n_keep < 1:
+            return None
+        scores = snapkv_scores(queries, layer.keys, window, self.kernel, self.pooling, layer_scaling(layer, queries))
+        return snapkv_keep(scores, n, window, n_keep)
