@@ -2,6 +2,7 @@
 
 from kvtrim.attention import disable, enable, is_enabled
 from kvtrim.cache import CacheStats, TrimCache, TrimLayer
+from kvtrim.prefill import lagkv_chunk_sizes, prefill, prefill_lagkv  # `kvtrim.prefill` is the function
 from kvtrim.methods import (
     H2O,
     TOVA,
@@ -11,6 +12,7 @@ from kvtrim.methods import (
     METHODS,
     EvictionMethod,
     FullCache,
+    KeyDiff,
     KvtrimError,
     LagKV,
     StreamingLLM,
@@ -34,6 +36,10 @@ __all__ = [
     "CacheStats",
     "EvictionMethod",
     "FullCache",
+    "KeyDiff",
+    "prefill",
+    "prefill_lagkv",
+    "lagkv_chunk_sizes",
     "KvtrimError",
     "LagKV",
     "StreamingLLM",

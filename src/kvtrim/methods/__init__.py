@@ -9,6 +9,7 @@ import typing
 from kvtrim.methods.base import EvictionMethod, KvtrimError
 from kvtrim.methods.full import FullCache
 from kvtrim.methods.h2o import H2O
+from kvtrim.methods.keydiff import KeyDiff
 from kvtrim.methods.lagkv import LagKV, lagkv_keep_ratio_for, lagkv_stored_length
 from kvtrim.methods.lazy_eviction import LazyEviction, estimate_window
 from kvtrim.methods.snapkv import SnapKV
@@ -16,6 +17,7 @@ from kvtrim.methods.streaming import StreamingLLM
 from kvtrim.methods.tova import TOVA
 
 METHODS: dict[str, type[EvictionMethod]] = {cls.name: cls for cls in (FullCache, LagKV, StreamingLLM)}
+METHODS[KeyDiff.name] = KeyDiff
 
 for _cls in (SnapKV, H2O, TOVA, LazyEviction):  # attention-based methods (need kvtrim.enable(model))
     METHODS[_cls.name] = _cls
@@ -58,6 +60,7 @@ __all__ = [
     "METHODS",
     "EvictionMethod",
     "FullCache",
+    "KeyDiff",
     "KvtrimError",
     "LagKV",
     "StreamingLLM",

@@ -1,0 +1,166 @@
+"""KeyDiff (Park et al., arXiv 2504.15364): attention-free eviction by key diversity.
+
+Keys that point away from the "typical" key tend to receive high attention, so the most typical keys
+go first. Per layer and KV head, over the candidates (the retained cache plus the new entries):
+
+    anchor  = mean_i( k_i / ||k_i|| )
+    score_i = -cos(k_i, anchor)          # higher = more distinctive = keep
+
+and the `budget` highest-scoring entries are kept. Ranking by this anchor cosine is the same as
+ranking by the mean pairwise cosine `sum_j cos(k_i, k_j)` (both are `khat_i . anchor` up to a positive
+factor), so nothing is approximated beyond the paper's relaxation of the subset objective.
+
+Budget mode (`budget=`, the paper's setting): the cache holds at most `budget + block_size` entries
+per KV head and layer, whatever the prompt length.
+
+* A multi-token forward (a prefill block) evicts back to `budget` as soon as the stored cache
+  exceeds it. Fed block by block (`kvtrim.prefill(model, ids, cache)`, or
+  `model.generate(..., prefill_chunk_size=block_size)`), each block attends only to what earlier
+  blocks retained plus itself, and the cache never holds more than `budget + block_size` entries:
+  this is the paper's block-wise prompt processing, done for real (kvpress's `BlockPress` only
+  replays the selection after a full-attention prefill).
+* Decoding appends until the cache reaches `budget + block_size`, then evicts back to `budget`
+  (the top-k cost is paid once per `block_size` generated tokens). A forward cannot tell a one-token
+  prefill block from a decode step, so a prompt whose last block has one token ends at `budget + 1`.
+* "Attend, then evict": the step that triggers an eviction still attends to every candidate.
+
+Ratio mode (`compression_ratio=`, kvpress's `KeyDiffPress` without `BlockPress`): once, after the
+first forward (a one-shot prefill), keep `int(n * (1 - compression_ratio))` of the `n` entries; later
+tokens are appended without eviction. A chunked prefill in this mode is refused with a clear error
+(only the first chunk would be compressed): use `budget=` for block-wise prefill.
+
+Choices and deviations (documented):
+* Keys are scored post-RoPE, as stored in the cache and as kvpress does; whether the paper scores
+  pre- or post-RoPE keys is not verified.
+* Scores are computed in float32; ties go to the older entry; kept indices are sorted by position
+  (kvpress keeps `topk`'s arbitrary choice among ties and its order).
+* `sink_size` / `recent_size` (default 0, as in the paper and kvpress) protect the first and the most
+  recent entries; protected entries still count in the anchor and in the budget. They stand in for
+  the paper's sliding-window extension, whose details are not verified.
+* Decoding cadence (grow to `budget + block_size`, evict back to `budget`) is our choice: the paper's
+  decode-time schedule is not verified (kvpress's `DecodingPress` compresses every 512 steps).
+* Padded batches are not supported (TrimCache refuses them), so no padding slot enters the anchor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+
+
+# ---- pure tensor functions ----------------------------------------------------------------------
+def keydiff_scores(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """KeyDiff scores `-cos(k_i, anchor)`, anchor = mean of the L2-normalised keys.
+
+    Args:
+        keys: `(batch, kv_heads, n, head_dim)`, the candidate set (the anchor is taken over all of it).
+    Returns:
+        `(batch, kv_heads, n)` float32 scores (higher = more distinctive = keep).
+    """
+    k = keys.float()
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min(eps)
+    anchor = unit.mean(dim=-2, keepdim=True)
+    anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return -(unit * anchor).sum(dim=-1)
+
+
+def keydiff_keep(
+    keys: torch.Tensor, n_keep: int, sink_size: int = 0, recent_size: int = 0, eps: float = 1e-12
+) -> torch.Tensor | None:
+    """Indices `(batch, kv_heads, n_keep)` of the entries KeyDiff keeps, sorted ascending, or None when
+    all `n` entries fit. The first `sink_size` and last `recent_size` entries are kept first (when
+    they alone exceed `n_keep`, the earliest of them win); ties go to the older entry.
+
+    Args:
+        keys: `(batch, kv_heads, n, head_dim)`.
+    """
+    n = keys.shape[-2]
+    if n <= n_keep:
+        return None
+    scores = keydiff_scores(keys, eps)
+    if sink_size:
+        scores[..., :sink_size] = torch.inf
+    if recent_size:
+        scores[..., max(0, n - recent_size):] = torch.inf
+    order = scores.sort(dim=-1, descending=True, stable=True).indices  # stable: ties -> older entry
+    return order[..., :n_keep].sort(dim=-1).values
+
+
+# ---- the method ---------------------------------------------------------------------------------
+@dataclass
+class _KeyDiffState:
+    compressed: bool = False  # ratio mode: the one-shot compression happened
+    decoded: bool = False  # a single-token step happened (later multi-token forwards are new turns)
+
+
+@dataclass
+class KeyDiff(EvictionMethod):
+    """KeyDiff eviction. Exactly one of `budget=` (block-wise, the paper) or `compression_ratio=`.
+
+    Args:
+        budget: entries kept per KV head per layer after each eviction (N).
+        block_size: prefill block length (B, 128 as in kvpress's `BlockPress`) and decode slack: the
+            cache never exceeds `budget + block_size` when the prompt is fed in blocks of at most
+            `block_size` tokens. `kvtrim.prefill` and `kvtrim.generate` use it as their chunk size.
+        compression_ratio: one-shot mode: fraction of the prefill removed, in [0, 1).
+        sink_size: first entries never evicted (0 in the paper).
+        recent_size: most recent entries never evicted (0 in the paper).
+    """
+
+    name = "keydiff"
+    summary = "key diversity: evict keys most similar to the mean key; attention-free, block-wise (KeyDiff)"
+
+    budget: int | None = None
+    block_size: int = 128
+    compression_ratio: float | None = None
+    sink_size: int = 0
+    recent_size: int = 0
+
+    def __post_init__(self):
+        check(
+            (self.budget is None) != (self.compression_ratio is None),
+            "KeyDiff needs exactly one of budget= (block-wise) or compression_ratio= (one-shot)",
+        )
+        check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        check(self.sink_size >= 0, f"sink_size must be >= 0, got {self.sink_size}")
+        check(self.recent_size >= 0, f"recent_size must be >= 0, got {self.recent_size}")
+        if self.budget is not None:
+            check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
+            check(
+                self.sink_size + self.recent_size <= self.budget,
+                f"sink_size + recent_size ({self.sink_size} + {self.recent_size}) must not exceed budget ({self.budget})",
+            )
+        else:
+            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+
+    @classmethod
+    def at_budget(cls, budget, context_length, **params):
+        return cls(budget=budget, **params)
+
+    def new_state(self, layer_idx):
+        return _KeyDiffState()
+
+    def on_update(self, layer, n_new):
+        state: _KeyDiffState = layer.state
+        n = layer.stored
+        if n_new == 1:
+            state.decoded = True
+        if self.compression_ratio is not None:
+            if state.compressed:
+                if n_new > 1 and not state.decoded:
+                    raise KvtrimError(
+                        "KeyDiff(compression_ratio=...) compresses a one-shot prefill; for a chunked or "
+                        "block-wise prefill use KeyDiff(budget=...)"
+                    )
+                return None
+            state.compressed = True
+            n_keep = max(1, int(n * (1 - self.compression_ratio)))
+            return keydiff_keep(layer.keys, n_keep, self.sink_size, self.recent_size)
+        # budget mode: a prefill block evicts as soon as it overflows; decoding waits for a full block
+        limit = self.budget if n_new > 1 else self.budget + self.block_size - 1
+        if n <= limit:
+            return None
+        return keydiff_keep(layer.keys, self.budget, self.sink_size, self.recent_size)

@@ -1,0 +1,141 @@
+"""Chunked / block-wise prefill: feed a long prompt through the model a block at a time.
+
+Each block attends only to what the cache retained from earlier blocks plus itself (causally), so an
+evicting cache bounds the peak KV memory of the prefill, not only what is left after it:
+
+* KeyDiff (`budget=`): blocks of `block_size` keep every layer at or below `budget + block_size`
+  entries per KV head for any prompt length (the paper's block-wise prompt processing);
+* LagKV: `prefill_lagkv` feeds the first `sink_size + 2 * lag_size` tokens, then `lag_size` per chunk
+  (paper section 4.3, the official README's `inference_by_prefill_compress`); the peak is about
+  `S + r (n - S) + 2 L` instead of `n`.
+
+Unlike a one-shot prefill, this changes the outputs whenever entries are evicted before the prompt
+ends: later prompt tokens never see what earlier blocks evicted (the paper reports a first-generated-
+token accuracy of about 80% at 8x for LagKV's chunked mode). With a cache that evicts nothing, chunked
+and one-shot prefill agree up to float rounding.
+
+Positions: each block gets its true absolute `position_ids` (tokens seen so far + offset), never the
+stored length. The causal mask comes from the cache: `TrimCache.get_mask_sizes(q)` is
+`(stored + q, seen - stored)`, i.e. every stored entry is visible and the block is causal inside.
+
+`model.generate(input_ids, cache=TrimCache(...), prefill_chunk_size=B)` gives the same block-wise
+behaviour inside stock `generate` (it passes the positions it derives from the attention mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+from kvtrim.methods.lagkv import LagKV
+
+
+def default_chunk_size(method: EvictionMethod | None) -> int | None:
+    """The prefill chunk a method is designed for (KeyDiff: its `block_size`), or None (one shot)."""
+    if method is None or getattr(method, "compression_ratio", None) is not None:
+        return None  # ratio modes compress a one-shot prefill
+    size = getattr(method, "block_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def lagkv_chunk_sizes(n: int, sink_size: int, lag_size: int) -> list[int]:
+    """LagKV's chunk-by-chunk prefill schedule for `n` tokens: `sink_size + 2 * lag_size` first (the
+    first length at which LagKV compresses), then `lag_size` per chunk (each compresses one partition);
+    the last chunk takes the remainder. A prompt no longer than the first chunk goes in one piece."""
+    check(n >= 1, f"the prompt must have at least one token, got {n}")
+    check(sink_size >= 0 and lag_size >= 1, f"need sink_size >= 0 and lag_size >= 1, got {sink_size}, {lag_size}")
+    first = sink_size + 2 * lag_size
+    if n <= first:
+        return [n]
+    full, rest = divmod(n - first, lag_size)
+    return [first] + [lag_size] * full + ([rest] if rest else [])
+
+
+def _chunk_sizes(n: int, chunk_size: int | None, chunk_sizes: Sequence[int] | None) -> list[int]:
+    check(chunk_size is None or chunk_sizes is None, "pass chunk_size= or chunk_sizes=, not both")
+    if chunk_sizes is not None:
+        sizes = [int(s) for s in chunk_sizes]
+        check(all(s >= 1 for s in sizes), f"chunk sizes must be >= 1, got {sizes}")
+        check(sum(sizes) == n, f"chunk sizes add up to {sum(sizes)}, but the prompt has {n} tokens")
+        return sizes
+    if chunk_size is None:
+        return [n]
+    check(chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}")
+    return [min(chunk_size, n - start) for start in range(0, n, chunk_size)]
+
+
+def _check_equal_lengths(cache: TrimCache) -> None:
+    """transformers builds one causal mask per forward, sized from the first full-attention layer: a
+    multi-token forward is only right when every evicting layer stores the same number of entries."""
+    stored = {layer.stored for layer in cache.layers if isinstance(layer, TrimLayer) and layer.is_initialized}
+    if len(stored) > 1:
+        raise KvtrimError(
+            f"the cache layers store different numbers of entries ({min(stored)} to {max(stored)}, e.g. LagKV with "
+            "skip_layers); a multi-token forward on such a cache would get a wrongly sized mask: prefill in one forward"
+        )
+
+
+@torch.no_grad()
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    cache: TrimCache,
+    chunk_size: int | None = None,
+    chunk_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Run `input_ids` `(batch, n)` through `model` into `cache`, one chunk per forward.
+
+    Continues after whatever `cache` already holds (positions start at `cache.get_seq_length()`), so a
+    prompt can be fed in several calls. Batches must be unpadded (TrimCache refuses padding).
+
+    Args:
+        chunk_size: tokens per forward; default: the cache method's block size (KeyDiff) when it has
+            one, else the whole prompt in one forward.
+        chunk_sizes: an explicit schedule instead (must add up to `n`), e.g. `lagkv_chunk_sizes(...)`.
+    Returns:
+        the logits of the last prompt token, `(batch, vocab)`.
+
+    Every forward asks for the last position's logits only (`logits_to_keep=1`), so the output layer
+    costs one token per chunk and no `(chunk, vocab)` tensor is built. To decode afterwards with stock
+    `generate`, prefill all but the last prompt token and pass the whole prompt with `cache=cache`.
+    """
+    check(isinstance(cache, TrimCache), f"prefill needs a TrimCache, got {type(cache).__name__}")
+    check(input_ids.ndim == 2 and input_ids.shape[-1] >= 1, "input_ids must be (batch, n) with n >= 1")
+    if chunk_size is None and chunk_sizes is None:
+        chunk_size = default_chunk_size(cache.method)
+    sizes = _chunk_sizes(input_ids.shape[-1], chunk_size, chunk_sizes)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    start = cache.get_seq_length()
+    check(
+        limit is None or start + input_ids.shape[-1] <= limit,
+        f"{start} cached plus {input_ids.shape[-1]} new tokens exceed the model's context of {limit} tokens",
+    )
+    input_ids = input_ids.to(model.device)
+    b = input_ids.shape[0]
+    offset = 0
+    for size in sizes:
+        if size > 1:
+            _check_equal_lengths(cache)
+        block = input_ids[:, offset : offset + size]
+        pos = cache.get_seq_length()
+        positions = torch.arange(pos, pos + size, device=model.device).expand(b, size)
+        out = model(input_ids=block, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        offset += size
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def prefill_lagkv(model, input_ids: torch.Tensor, cache: TrimCache) -> torch.Tensor:
+    """LagKV's chunk-by-chunk prefill (paper section 4.3): bounded peak memory, changed outputs.
+
+    `cache` must hold a LagKV method; the schedule is `lagkv_chunk_sizes(n, sink_size, lag_size)`
+    (for a continued cache it restarts from the new tokens). Returns the last logits `(batch, vocab)`.
+    """
+    method = getattr(cache, "method", None)
+    check(isinstance(method, LagKV), f"prefill_lagkv needs a TrimCache holding LagKV, got {type(method).__name__}")
+    check(method.mode == "reference", "prefill_lagkv needs LagKV's reference mode (keep_ratio=), not compression_ratio=")
+    sizes = lagkv_chunk_sizes(input_ids.shape[-1], method.sink_size, method.lag_size)
+    return prefill(model, input_ids, cache, chunk_sizes=sizes)
