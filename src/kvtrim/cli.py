@@ -83,6 +83,8 @@ def cmd_generate(args) -> int:
     # validate everything before the (slow) weight load
     method = method_from_args(args)
     check_positive(args.max_new_tokens, "--max-new-tokens")
+    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 0:
+        raise KvtrimError(f"--prefill-chunk-size must be >= 0, got {args.prefill_chunk_size}")
     parse_dtype(args.dtype)
     prompt = _read_prompt(args)
     tok, config = load_tokenizer_and_config(args.model)
@@ -91,7 +93,8 @@ def cmd_generate(args) -> int:
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {}
-    new, cache = generate(model, ids, method, max_new_tokens=args.max_new_tokens, **sampling)
+    chunk = "auto" if args.prefill_chunk_size is None else (args.prefill_chunk_size or None)
+    new, cache = generate(model, ids, method, max_new_tokens=args.max_new_tokens, prefill_chunk_size=chunk, **sampling)
     text = tok.decode(new[0], skip_special_tokens=True)
     stats = cache.stats()
     if args.json:
@@ -138,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (default: stdin)")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
+                   help="feed the prompt N tokens per forward (0: one forward; default: the method's block size, if any)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")

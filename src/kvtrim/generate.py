@@ -9,6 +9,7 @@ import torch
 from kvtrim.cache import CacheStats, TrimCache
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.models import check_fits
+from kvtrim.prefill import default_chunk_size
 
 
 @dataclass
@@ -36,15 +37,22 @@ def generate(
     method: EvictionMethod | None = None,
     max_new_tokens: int = 32,
     cache: TrimCache | None = None,
+    prefill_chunk_size: int | None | str = "auto",
     **generate_kwargs,
 ) -> tuple[torch.Tensor, TrimCache]:
     """`model.generate` with a fresh `TrimCache(method)` (greedy unless told otherwise).
 
+    `prefill_chunk_size`: feed the prompt in chunks of this many tokens (None: one forward); "auto"
+    uses the method's block size when it has one (KeyDiff), so the prefill's memory stays bounded.
     Returns `(new_token_ids (batch, new_len), cache)`.
     """
     n = input_ids.shape[-1]
     check_fits(model.config, n, max_new_tokens)
     cache = cache if cache is not None else TrimCache(method, config=model.config)
+    if prefill_chunk_size == "auto":
+        prefill_chunk_size = default_chunk_size(cache.method)
+    if prefill_chunk_size is not None:
+        generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
     generate_kwargs.setdefault("do_sample", False)
     mask = generate_kwargs.pop("attention_mask", None)
     if mask is None:
