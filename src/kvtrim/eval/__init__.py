@@ -1,1 +1,46 @@
-"""Offline evaluation: synthetic long-context tasks generated in code."""
+"""Offline evaluation: synthetic long-context tasks generated in code, a resumable sweep, reports.
+
+Modules (one job each):
+    words, haystack   word lists and the synthetic haystacks (prose, RULER's noise sentences)
+    ruler             RULER's 11 offline tasks; passkey (5 / 64 digits); tasks (registry, NIAH grid)
+    sample, prompt    the sample record + JSONL task files; turning a sample into token ids
+    fit               sizing samples to a target length in the model's own tokens
+    scoring           RULER's string_match_all / string_match_part, passkey exact / partial
+    specs             method specs (`lagkv:lag_size=64`) built per compression ratio via `at_budget`
+    reuse             prefill once, replay the stored K/V into each method's cache
+    decode, runner    greedy answers; the sweep, resumable through results.jsonl
+    report, presets   summary.csv / summary.md / PNG plots; named sweeps; cli: `kvtrim eval`
+
+Python use:
+
+    from kvtrim.eval import PromptFormat, Runner, RunSettings, generate_samples, parse_method_specs, plan
+    samples = generate_samples("niah_single_2", PromptFormat(tok), 2048, n=5)
+    rows = Runner(model, tok, RunSettings(model="smollm2-135m"), "out").run(
+        plan(samples, parse_method_specs("full,lagkv,streaming"), [0.5, 0.75]))
+"""
+
+from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.report import write_report
+from kvtrim.eval.runner import Runner, RunSettings, plan
+from kvtrim.eval.sample import Sample, read_task_file, write_task_file
+from kvtrim.eval.scoring import score_prediction, string_match_all, string_match_part
+from kvtrim.eval.specs import build_method, parse_method_specs
+from kvtrim.eval.tasks import TASKS, generate_samples
+
+__all__ = [
+    "TASKS",
+    "PromptFormat",
+    "RunSettings",
+    "Runner",
+    "Sample",
+    "build_method",
+    "generate_samples",
+    "parse_method_specs",
+    "plan",
+    "read_task_file",
+    "score_prediction",
+    "string_match_all",
+    "string_match_part",
+    "write_report",
+    "write_task_file",
+]

@@ -1,0 +1,224 @@
+"""`kvtrim eval`: the offline long-context evaluation sweep (loaded by `kvtrim.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from kvtrim.methods import METHODS
+from kvtrim.methods.base import KvtrimError, check
+
+DEFAULT_RATIOS = [0.5, 0.75]
+DEFAULT_LENGTHS = [2048]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x.lower().replace("k", "000")) if x.lower().endswith("k") else int(x)
+                for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from kvtrim.eval.presets import PRESETS
+    from kvtrim.eval.tasks import TASKS
+
+    p = subparsers.add_parser(
+        "eval", help="offline long-context evaluation (RULER-style tasks, passkey, NIAH) across methods and ratios",
+        description="Evaluate eviction methods x compression ratios on synthetic long-context tasks (or a task "
+                    "file). Results go to OUT/results.jsonl (resumable), OUT/summary.csv, OUT/summary.md and PNG plots.",
+    )
+    p.add_argument("--preset", choices=list(PRESETS), help="a named sweep (flags given explicitly override it)")
+    p.add_argument("--model", help="registry name, local model dir or hub id (default: smollm2-135m)")
+    p.add_argument("--methods", type=_names,
+                   help="comma-separated method specs NAME[:param=value...] (default: all registered: "
+                        f"{', '.join(METHODS)}); placeholders {{ratio}} / {{budget}} allowed")
+    p.add_argument("--ratios", type=_floats, help=f"compression ratios in [0, 1) (default: {DEFAULT_RATIOS})")
+    p.add_argument("--compression", choices=["at-budget", "ratio"],
+                   help="how a method is configured for a ratio: at-budget (default: cls.at_budget(budget, n)) or "
+                        "ratio (compression_ratio= where the method has it, kvpress's convention)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--tasks", type=_names, help=f"tasks: {', '.join(TASKS)}")
+    src.add_argument("--task-file", help="JSONL file of samples (context, question, answers, max_new_tokens, ...)")
+    p.add_argument("--lengths", type=_ints, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
+    p.add_argument("--depths", type=_floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
+    p.add_argument("--samples", type=int, help="samples per task and length (per depth for passkey / niah; default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--query-aware", action="store_true", default=None,
+                   help="compress the question with the context (default: query-agnostic, the question comes after)")
+    p.add_argument("--max-new-tokens", type=int, help="cap on every task's own max_new_tokens")
+    p.add_argument("--prefill-chunk-size", type=int, help="chunked prefill for every method (disables prefill reuse)")
+    p.add_argument("--no-reuse", action="store_true", help="prefill every (method, ratio) anew instead of replaying")
+    p.add_argument("--full-answers", action="store_true",
+                   help="decode every answer to EOS or the token cap (default: stop once the answer holds every "
+                        "reference, which cannot change its score)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--dtype", help="float32 (default), bfloat16, float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", help="output folder (default: eval_out/<preset or 'run'>)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
+    p.add_argument("--write-tasks", metavar="F.jsonl", help="write the generated samples to a task file and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+    return p
+
+
+# ---- resolve the sweep --------------------------------------------------------------------------------
+def _resolve(args) -> dict:
+    from kvtrim.eval.presets import PRESETS
+
+    preset = dict(PRESETS[args.preset]) if args.preset else {}
+    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else preset.get(name, default)  # noqa: E731
+    cfg = {
+        "model": pick("model", "smollm2-135m"),
+        "tasks": pick("tasks", None),
+        "lengths": pick("lengths", DEFAULT_LENGTHS),
+        "depths": pick("depths", None),
+        "samples": pick("samples", 5),
+        "ratios": pick("ratios", DEFAULT_RATIOS),
+        "compression": pick("compression", "at-budget"),
+        "max_new_tokens": pick("max_new_tokens", None),
+        "dtype": pick("dtype", "float32"),
+        "query_aware": bool(pick("query_aware", False)),
+    }
+    if args.methods is not None:
+        cfg["methods"] = args.methods
+    else:
+        extra = preset.get("method_params", {})
+        skip = set(preset.get("exclude", []))
+        cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS if name not in skip]
+    if cfg["tasks"] is None and not args.task_file:
+        cfg["tasks"] = ["niah_single_1", "niah_single_2", "vt", "passkey"]
+    cfg["out"] = args.out or os.path.join("eval_out", args.preset or "run")
+    return cfg
+
+
+def _validate(cfg: dict, args) -> None:
+    from kvtrim.eval.specs import parse_method_specs
+    from kvtrim.eval.tasks import check_tasks
+
+    check(cfg["ratios"] and all(0 <= r < 1 for r in cfg["ratios"]),
+          f"--ratios must be in [0, 1), got {cfg['ratios']}")
+    check(len(set(cfg["ratios"])) == len(cfg["ratios"]), "--ratios has duplicates")
+    if cfg["tasks"] is not None:
+        check_tasks(cfg["tasks"])
+    check(all(L >= 1 for L in cfg["lengths"]), f"--lengths must be positive, got {cfg['lengths']}")
+    check(cfg["samples"] >= 1, f"--samples must be >= 1, got {cfg['samples']}")
+    if cfg["depths"] is not None:
+        check(all(0 <= d <= 1 for d in cfg["depths"]), f"--depths must be in [0, 1], got {cfg['depths']}")
+    if cfg["max_new_tokens"] is not None:
+        check(cfg["max_new_tokens"] >= 1, f"--max-new-tokens must be >= 1, got {cfg['max_new_tokens']}")
+    if args.prefill_chunk_size is not None:
+        check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
+    cfg["specs"] = parse_method_specs(cfg["methods"])
+
+
+def _load_tokenizer_and_context(model_name: str):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvtrim.models import resolve_model_dir
+
+    source = resolve_model_dir(model_name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source)
+    except OSError as err:
+        raise KvtrimError(f"could not load model '{model_name}': {str(err).splitlines()[0]}") from err
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return tok, int(getattr(text, "max_position_embeddings", 0) or 0)
+
+
+def build_samples(cfg: dict, args, tokenizer, context_limit: int):
+    from kvtrim.eval.prompt import PromptFormat
+    from kvtrim.eval.sample import read_task_file
+    from kvtrim.eval.tasks import generate_samples
+
+    if args.task_file:
+        return read_task_file(args.task_file)
+    if context_limit:
+        too_long = [L for L in cfg["lengths"] if L > context_limit]
+        check(not too_long, f"length {', '.join(map(str, too_long))} is beyond the model's context of {context_limit} tokens")
+    fmt = PromptFormat(tokenizer, chat=not args.raw)
+    samples = []
+    for task in cfg["tasks"]:
+        for length in cfg["lengths"]:
+            depths = tuple(cfg["depths"]) if cfg["depths"] else None
+            samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths)
+    return samples
+
+
+def _header(cfg: dict, args, elapsed: float | None, n_samples: int) -> str:
+    lines = [
+        f"# kvtrim eval: {args.preset or 'custom sweep'}",
+        "",
+        f"- model: `{cfg['model']}` ({cfg['dtype']}, {args.device}); prompt: "
+        f"{'raw' if args.raw else 'chat template'}; protocol: "
+        f"{'query-aware (question compressed with the context)' if cfg['query_aware'] else 'query-agnostic (context compressed, then question, greedy answer)'}",
+        f"- methods configured per ratio by `{cfg['compression']}`; samples: {n_samples}; seed {cfg['seed']}"
+        + (f"; answers capped at {cfg['max_new_tokens']} new tokens" if cfg["max_new_tokens"] else ""),
+        f"- command: `kvtrim eval {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ''}`".replace("  ", " "),
+    ]
+    if elapsed is not None:
+        lines.append(f"- wall time of this invocation: {elapsed / 60:.1f} min")
+    return "\n".join(lines)
+
+
+def cmd_eval(args) -> int:
+    from kvtrim.eval.report import write_report
+    from kvtrim.eval.runner import Runner, RunSettings, load_rows, plan
+    from kvtrim.eval.sample import write_task_file
+
+    cfg = _resolve(args)
+    cfg["seed"] = args.seed
+    _validate(cfg, args)
+    out = cfg["out"]
+    if args.report_only:
+        rows = load_rows(out)
+        check(bool(rows), f"no results in {out}/results.jsonl")
+        files = write_report(rows, out, _header(cfg, args, None, len({r['sample_id'] for r in rows})), not args.no_plots)
+        print(f"wrote {files['markdown']}, {files['csv']}" + "".join(f", {p}" for p in files["plots"]))
+        return 0
+
+    tok, limit = _load_tokenizer_and_context(cfg["model"])
+    samples = build_samples(cfg, args, tok, limit)
+    if args.write_tasks:
+        write_task_file(args.write_tasks, samples)
+        print(f"wrote {len(samples)} samples to {args.write_tasks}")
+        return 0
+
+    import torch
+
+    from kvtrim.models import load_model, parse_dtype
+
+    parse_dtype(cfg["dtype"])
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
+    settings = RunSettings(
+        model=cfg["model"], dtype=cfg["dtype"], chat=not args.raw, query_aware=cfg["query_aware"],
+        compression=cfg["compression"], max_new_tokens=cfg["max_new_tokens"],
+        prefill_chunk_size=args.prefill_chunk_size, reuse_prefill=not args.no_reuse,
+        stop_when_answered=not args.full_answers,
+    )
+    runner = Runner(model, tok, settings, out, progress=not args.quiet)
+    rows = runner.run(plan(samples, cfg["specs"], cfg["ratios"]))
+    elapsed = time.perf_counter() - start
+    files = write_report(rows, out, _header(cfg, args, elapsed, len(samples)), not args.no_plots)
+    print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"
+          + "".join(f", {p}" for p in files["plots"]))
+    return 0

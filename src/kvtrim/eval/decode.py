@@ -1,0 +1,56 @@
+"""Greedy decoding on a prepared cache (the answer step of the harness)."""
+
+from __future__ import annotations
+
+import torch
+
+from collections.abc import Callable
+
+from kvtrim.cache import TrimCache
+from kvtrim.prefill import prefill
+
+
+@torch.no_grad()
+def forward_last_logits(model, input_ids: torch.Tensor, cache: TrimCache) -> torch.Tensor:
+    """One forward of `input_ids` `(1, m)` after what `cache` holds; logits of the last token `(1, vocab)`.
+
+    Positions continue from the tokens the cache has *seen* (not stored), as the model would derive them.
+    Multi-token inputs go through `kvtrim.prefill.prefill` (one forward), which also refuses caches whose
+    layers hold different numbers of entries (one mask per forward would be wrongly sized)."""
+    if input_ids.shape[-1] > 1:
+        return prefill(model, input_ids, cache, chunk_size=input_ids.shape[-1])
+    start = cache.get_seq_length()
+    m = input_ids.shape[-1]
+    positions = torch.arange(start, start + m, device=model.device)[None]
+    out = model(input_ids=input_ids.to(model.device), cache=cache, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    out = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        out.add(tokenizer.eos_token_id)
+    return out
+
+
+@torch.no_grad()
+def greedy_decode(
+    model, cache: TrimCache, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
+    done: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
+    """Greedy tokens from `logits` `(1, vocab)` (those of the last prompt token), feeding each token back
+    through `model` with `cache`; stops at a token of `stop_ids` (not returned), after `max_new_tokens`,
+    or as soon as `done(tokens)` is true."""
+    tokens: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(logits[0].argmax())
+        if token in stop_ids:
+            break
+        tokens.append(token)
+        if done is not None and done(tokens):
+            break
+        if step + 1 < max_new_tokens:
+            logits = forward_last_logits(model, torch.tensor([[token]]), cache)
+    return tokens

@@ -1,0 +1,62 @@
+"""Named sweeps for `kvtrim eval --preset NAME`; explicit flags override any preset value.
+
+* `quick`: the README's main job on the default model (SmolLM2-135M-Instruct, CPU). Three RULER tasks
+  that a 135M model can do at all (niah_single_1/2, vt) and a NIAH depth grid (10/50/90%), at 1k and 2k
+  tokens, one sample per cell, every registered method at compression ratios 0.5 / 0.75 / 0.875 (each
+  in its at-budget form), answers capped at 24 new
+  tokens (enough for every answer of these tasks; RULER's own caps are 128/30; decoding also stops as
+  soon as the answer holds every reference). Sized to finish in under 15 minutes on 2 CPU cores thanks
+  to prefill reuse.
+* `ruler-4k`, `ruler-16k`: the LagKV paper's RULER setup (its 13 tasks minus the two QA tasks, which need
+  downloads), query-agnostic, compression ratios 0.25 / 0.5 / 0.75 / 0.875 with kvpress's convention
+  (`--compression ratio`: LagKV global mode with L=128, S=4 as kvpress's `LagKVPress`, StreamingLLM,
+  KeyDiff, SnapKV compress the context once; other methods use their at-budget form), RULER's max new
+  tokens, on Qwen2.5-Coder-0.5B-Instruct (32k context; the default model's 8k is too short for
+  ruler-16k). For a GPU: `--device cuda --dtype bfloat16`. Samples per task: 50 (4k) / 25 (16k), i.e.
+  ~8-16k (method, ratio, sample) rows, a few GPU hours with a 0.5B model; kvpress and the paper use 500
+  (`--samples 500`). Interrupted runs resume.
+"""
+
+from __future__ import annotations
+
+from kvtrim.eval.ruler import RULER_TASKS
+
+PRESETS: dict[str, dict] = {
+    "quick": {
+        "model": "smollm2-135m",
+        "tasks": ["niah_single_1", "niah_single_2", "vt", "niah"],
+        "lengths": [1024, 2048],
+        "depths": [0.1, 0.5, 0.9],
+        "samples": 1,
+        "ratios": [0.5, 0.75, 0.875],
+        "methods": None,  # every registered method, except:
+        # LazyEviction evicts every `window` (128) decode steps of a long generation and keeps the prompt
+        # at prefill: within a <= 24-token answer it never evicts, so it would only repeat the full cache
+        "exclude": ["lazyeviction"],
+        # L = 32: at 1k tokens L >= 64 cannot reach 0.875 (sinks + window alone keep more); the paper's
+        # L = 128 at 16k is the same fraction of the context as L = 16 at 2k
+        "method_params": {"lagkv": "lag_size=32"},
+        "max_new_tokens": 24,
+        "compression": "at-budget",
+    },
+    "ruler-4k": {
+        "model": "qwen2.5-coder-0.5b",
+        "tasks": list(RULER_TASKS),
+        "lengths": [4096],
+        "samples": 50,
+        "ratios": [0.25, 0.5, 0.75, 0.875],
+        "methods": None,
+        "method_params": {"lagkv": "lag_size=128:sink_size=4"},
+        "compression": "ratio",
+    },
+    "ruler-16k": {
+        "model": "qwen2.5-coder-0.5b",
+        "tasks": list(RULER_TASKS),
+        "lengths": [16384],
+        "samples": 25,
+        "ratios": [0.25, 0.5, 0.75, 0.875],
+        "methods": None,
+        "method_params": {"lagkv": "lag_size=128:sink_size=4"},
+        "compression": "ratio",
+    },
+}

@@ -1,0 +1,265 @@
+"""Reports from `results.jsonl`: `summary.csv`, `summary.md` (tables) and PNG plots.
+
+Aggregation follows RULER: a task's score is the mean of its samples' scores, the average is the mean
+over tasks, both x100. The compression shown is the one measured from each cache right after the
+compressed part of the prompt was prefilled (`cache.stats().compression_ratio`, KV bytes removed),
+averaged over samples, next to the nominal ratio that configured the method.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections import defaultdict
+from statistics import mean
+
+SYNTHETIC_NOTE = (
+    "The haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
+    "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers."
+)
+
+
+def _key_order(rows: list[dict]) -> tuple[list[str], list[str], list[int]]:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    return methods, tasks, lengths
+
+
+def scored(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "score" in r]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One record per (method, compression_ratio, length, task) plus per (method, ratio, length) average."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    skipped: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        key = (r["method"], r["compression_ratio"], r["length"], r["task"])
+        (groups if "score" in r else skipped)[key].append(r)
+    out = []
+    methods, tasks, _ = _key_order(rows)  # keep the run's order (full first, methods as given)
+    order = lambda k: (methods.index(k[0]), k[1], k[2], tasks.index(k[3]))  # noqa: E731
+    for key in sorted(set(groups) | set(skipped), key=order):
+        method, ratio, length, task = key
+        g = groups.get(key, [])
+        rec = {"method": method, "compression_ratio": ratio, "length": length, "task": task, "n": len(g),
+               "skipped": len(skipped.get(key, []))}
+        if g:
+            rec.update(
+                score=100 * mean(r["score"] for r in g),
+                string_match_all=100 * mean(r["string_match_all"] for r in g),
+                string_match_part=100 * mean(r["string_match_part"] for r in g),
+                achieved_compression=mean(r["achieved_compression"] for r in g),
+                final_compression=mean(r["final_compression"] for r in g),
+                seconds=sum(r["seconds"] for r in g),
+            )
+            if all("passkey_partial" in r for r in g):
+                rec["passkey_partial"] = 100 * mean(r["passkey_partial"] for r in g)
+        else:
+            rec["skip_reason"] = skipped[key][0]["skipped"]
+        out.append(rec)
+    # averages over tasks
+    by_setting: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in out:
+        by_setting[(rec["method"], rec["compression_ratio"], rec["length"])].append(rec)
+    for (method, ratio, length), recs in list(by_setting.items()):
+        done = [r for r in recs if r["n"]]
+        avg = {"method": method, "compression_ratio": ratio, "length": length, "task": "average",
+               "n": sum(r["n"] for r in recs), "skipped": sum(r["skipped"] for r in recs)}
+        if done and len(done) == len(recs):
+            avg.update(score=mean(r["score"] for r in done),
+                       achieved_compression=mean(r["achieved_compression"] for r in done),
+                       final_compression=mean(r["final_compression"] for r in done),
+                       seconds=sum(r["seconds"] for r in done))
+        out.append(avg)
+    return out
+
+
+CSV_FIELDS = ["method", "compression_ratio", "length", "task", "n", "skipped", "score", "string_match_all",
+              "string_match_part", "passkey_partial", "achieved_compression", "final_compression", "seconds",
+              "skip_reason"]
+
+
+def write_csv(summary: list[dict], path: str) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for rec in summary:
+            w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()})
+
+
+def _fmt(v, digits=1) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def markdown_tables(summary: list[dict]) -> str:
+    """One table per length: rows method x nominal ratio; columns tasks, average, achieved compression."""
+    index = {(r["method"], r["compression_ratio"], r["length"], r["task"]): r for r in summary}
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    tasks = [t for t in dict.fromkeys(r["task"] for r in summary) if t != "average"]
+    partial_tasks = [t for t in tasks if any("passkey_partial" in r for r in summary if r["task"] == t)]
+    lengths = sorted({r["length"] for r in summary})
+    ratios = sorted({r["compression_ratio"] for r in summary})
+    parts = []
+    for length in lengths:
+        head = ["method", "ratio", "achieved"] + tasks + [f"{t} (partial)" for t in partial_tasks] + ["avg"]
+        title = f"**{length} tokens**" if length else "**task-file samples (length not given)**"
+        lines = [title if len(lengths) > 1 else "", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for ratio in ratios:
+            for method in methods:
+                avg = index.get((method, ratio, length, "average"))
+                if avg is None:
+                    continue
+                cells = [method, f"{ratio:g}", _fmt(avg.get("achieved_compression"), 3)]
+                for t in tasks:
+                    rec = index.get((method, ratio, length, t))
+                    cells.append("n/a" if rec is not None and not rec["n"] else _fmt(rec and rec.get("score")))
+                for t in partial_tasks:
+                    rec = index.get((method, ratio, length, t))
+                    cells.append(_fmt(rec and rec.get("passkey_partial")))
+                score = avg.get("score")
+                cells.append(f"**{_fmt(score)}**" if score is not None else "n/a")
+                lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines).strip())
+    return "\n\n".join(parts)
+
+
+def skipped_notes(summary: list[dict]) -> list[str]:
+    seen = {}
+    for r in summary:
+        if r.get("skip_reason"):
+            seen.setdefault((r["method"], r["compression_ratio"]), r["skip_reason"])
+    return [f"- `{m}` at ratio {r:g}: not run ({reason})" for (m, r), reason in seen.items()]
+
+
+# ---- plots -------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_score_vs_compression(summary: list[dict], path: str) -> None:
+    """Average score vs achieved compression, one line per method (full drawn as a horizontal reference);
+    one panel per task plus the average."""
+    plt = _plt()
+    tasks = ["average"] + [t for t in dict.fromkeys(r["task"] for r in summary) if t != "average"]
+    lengths = sorted({r["length"] for r in summary})
+    cols = min(4, len(tasks))
+    rows_n = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    for ax, task in zip(axes.flat, tasks):
+        for method in methods:
+            pts = sorted(
+                (r["achieved_compression"], r["score"], r["compression_ratio"])
+                for r in summary
+                if r["method"] == method and r["task"] == task and r.get("score") is not None
+                and (len(lengths) == 1 or r["length"] == lengths[-1])
+            )
+            if not pts:
+                continue
+            if len(pts) == 1 and pts[0][2] == 0:
+                ax.axhline(pts[0][1], color=colors[method], linestyle="--", linewidth=1, label=method)
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=method)
+        ax.set_title(task if len(lengths) == 1 else f"{task} ({lengths[-1]} tokens)", fontsize=10)
+        ax.set_xlim(-0.02, 1.0)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("achieved compression ratio")
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.suptitle("score vs achieved compression (full cache dashed)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_depth_heatmaps(rows: list[dict], task: str, out_dir: str) -> list[str]:
+    """Per method: depth x length heat maps of `task`'s score, one panel per compression ratio."""
+    plt = _plt()
+    rows = [r for r in scored(rows) if r["task"] == task and r.get("depth") is not None]
+    if not rows:
+        return []
+    depths = sorted({r["depth"] for r in rows})
+    lengths = sorted({r["length"] for r in rows})
+    paths = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        ratios = sorted({r["compression_ratio"] for r in mine})
+        fig, axes = plt.subplots(1, len(ratios), figsize=(1.2 + 1.1 * len(lengths) * len(ratios) + 1.2 * len(ratios), 3.6),
+                                 squeeze=False)
+        for ax, ratio in zip(axes.flat, ratios):
+            grid = [[float("nan")] * len(lengths) for _ in depths]
+            cells: dict[tuple, list[float]] = defaultdict(list)
+            for r in mine:
+                if r["compression_ratio"] == ratio:
+                    cells[(r["depth"], r["length"])].append(r["score"])
+            for (d, L), s in cells.items():
+                grid[depths.index(d)][lengths.index(L)] = 100 * mean(s)
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    if not math.isnan(grid[i][j]):
+                        ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+            ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+            ax.set_xlabel("length (tokens)")
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"ratio {ratio:g}", fontsize=10)
+        fig.suptitle(f"{task}: {method}", fontsize=11)
+        fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="score")
+        path = os.path.join(out_dir, f"heatmap_{task}_{_safe(method)}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool = True) -> dict[str, str | list]:
+    """Write `summary.csv`, `summary.md` and the plots; returns their paths."""
+    summary = summarize(rows)
+    files: dict[str, str | list] = {}
+    files["csv"] = os.path.join(out_dir, "summary.csv")
+    write_csv(summary, files["csv"])
+    figures: list[str] = []
+    if plots and scored(rows):
+        figures.append(os.path.join(out_dir, "score_vs_compression.png"))
+        plot_score_vs_compression(summary, figures[-1])
+        for task in dict.fromkeys(r["task"] for r in rows):
+            if len({r.get("depth") for r in rows if r["task"] == task} - {None}) >= 2:
+                figures += plot_depth_heatmaps(rows, task, out_dir)
+    files["plots"] = figures
+    md = [header.strip(), "", markdown_tables(summary), ""]
+    notes = skipped_notes(summary)
+    if notes:
+        md += ["Not run (the method cannot be configured at that budget):", *notes, ""]
+    md += [
+        "Scores: RULER's string_match_all (fraction of the references found in the answer), ×100, mean over "
+        "samples, then over tasks (avg). passkey: exact match; (partial): longest matching digit prefix. "
+        "`ratio`: nominal compression ratio; `achieved`: fraction of KV bytes removed, measured from the cache "
+        "right after the compressed prompt was prefilled (mean over samples).",
+        "",
+        SYNTHETIC_NOTE,
+    ]
+    if figures:
+        md += ["", *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in figures]]
+    files["markdown"] = os.path.join(out_dir, "summary.md")
+    with open(files["markdown"], "w", encoding="utf-8") as f:
+        f.write("\n".join(md).strip() + "\n")
+    return files

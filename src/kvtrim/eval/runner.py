@@ -1,0 +1,242 @@
+"""The sweep: methods x compression ratios x samples (tasks x lengths), resumable.
+
+Per sample:
+1. encode it (`PromptFormat`): the compressed part (context; or context + question with
+   `query_aware`) and the part fed after compression (question + answer prefix; or nothing);
+2. if some pending method can reuse a prefill (`kvtrim.eval.reuse`), run the compressed part once
+   into a full cache (recording queries when a method needs them);
+3. for each pending (method, ratio): build the method (`kvtrim.eval.specs.build_method`), get its
+   cache by replaying the shared prefill or by prefilling directly (block-wise for methods that prefill
+   block by block), measure the achieved compression from the cache, feed the question, decode greedily,
+   score, and append one row to `results.jsonl` at once.
+
+Rows are keyed by `sample id | method label | compression ratio`; rows already in `results.jsonl` are
+skipped, so an interrupted run resumes where it stopped. `run.json` records the settings that change
+results (model, dtype, prompt format, protocol, token cap); resuming into a folder whose settings differ
+is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvtrim.eval.decode import eos_ids, forward_last_logits, greedy_decode
+from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.reuse import SharedPrefill, replay, reuses_prefill, shared_prefill, waits_for_attention
+from kvtrim.eval.sample import Sample
+from kvtrim.eval.scoring import score_prediction
+from kvtrim.eval.specs import MethodSpec, build_method, context_budget
+from kvtrim.methods.base import KvtrimError, check
+from kvtrim.prefill import prefill
+
+RESULTS = "results.jsonl"
+RUN_FILE = "run.json"
+
+
+@dataclass
+class RunSettings:
+    """What changes the results of a row besides its key; stored in `run.json`."""
+
+    model: str
+    dtype: str = "float32"
+    chat: bool = True
+    query_aware: bool = False
+    compression: str = "at-budget"
+    max_new_tokens: int | None = None  # cap on every sample's own max_new_tokens
+    prefill_chunk_size: int | None = None  # force a chunked prefill for every method (no reuse)
+    reuse_prefill: bool = True
+    # stop decoding once the answer holds every reference: string_match / passkey scores cannot change
+    # after that (containment survives appended text), only the stored prediction is shorter
+    stop_when_answered: bool = True
+
+
+@dataclass
+class Job:
+    sample: Sample
+    spec: MethodSpec
+    compression_ratio: float
+
+    @property
+    def key(self) -> str:
+        return row_key(self.sample.id, self.spec.label, self.compression_ratio)
+
+
+def row_key(sample_id: str, method_label: str, compression_ratio: float) -> str:
+    return f"{sample_id}|{method_label}|{compression_ratio:g}"
+
+
+def load_rows(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, RESULTS)
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption: that row is simply redone
+    return rows
+
+
+def check_run_settings(out_dir: str, settings: RunSettings) -> None:
+    """Create `run.json`, or refuse to mix results made with other settings into `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, RUN_FILE)
+    current = asdict(settings)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            previous = json.load(f)
+        diff = [k for k in current if k != "reuse_prefill" and previous.get(k) != current[k]]
+        check(not diff, f"{out_dir} holds results made with other settings ({', '.join(f'{k}={previous.get(k)!r}' for k in diff)}); "
+                        "use another --out or the same settings")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(current, f, indent=1)
+
+
+def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float]) -> list[Job]:
+    """All (sample, method, ratio) jobs; `full` once per sample at ratio 0."""
+    jobs = []
+    for sample in samples:
+        for spec in specs:
+            for r in [0.0] if spec.is_full else ratios:
+                jobs.append(Job(sample, spec, r))
+    return jobs
+
+
+@dataclass
+class Runner:
+    model: object
+    tokenizer: object
+    settings: RunSettings
+    out_dir: str
+    progress: bool = True
+    _stop: set[int] = field(default_factory=set)
+
+    def __post_init__(self):
+        self.fmt = PromptFormat(self.tokenizer, chat=self.settings.chat)
+        self._stop = eos_ids(self.model, self.tokenizer)
+
+    # ---- one sample --------------------------------------------------------------------------
+    def encode(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(compressed ids (1, n), ids fed after compression (1, m))`; m may be 0 (query-aware)."""
+        prefix, suffix = self.fmt.encode(sample)
+        if self.settings.query_aware:
+            return torch.cat([prefix, suffix], dim=-1), suffix[:, :0]
+        return prefix, suffix
+
+    def _direct_cache(self, method, compressed: torch.Tensor):
+        from kvtrim.cache import TrimCache
+
+        cache = TrimCache(method, config=self.model.config)
+        logits = prefill(self.model, compressed, cache, chunk_size=self.settings.prefill_chunk_size)
+        return cache, logits
+
+    def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
+                shared: SharedPrefill | None) -> dict:
+        sample, n = job.sample, compressed.shape[-1]
+        row = {
+            "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
+            "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
+            "compression_ratio": job.compression_ratio, "budget": context_budget(n, job.compression_ratio),
+            "compressed_tokens": n, "prompt_tokens": n + after.shape[-1], "query_aware": self.settings.query_aware,
+            "metric": sample.metric, "answers": sample.answers,
+        }
+        try:
+            method = build_method(job.spec, job.compression_ratio, n, self.settings.compression)
+        except (KvtrimError, NotImplementedError) as err:
+            row.update(skipped=str(err) or type(err).__name__)
+            return row
+        row["method_config"] = method.describe()
+        start = time.perf_counter()
+        reused = shared is not None and self._can_reuse(method, shared)
+        if reused:
+            cache, logits = replay(shared, method, self.model.config), shared.logits
+        else:
+            cache, logits = self._direct_cache(method, compressed)
+        stats = cache.stats()
+        if after.shape[-1]:
+            logits = forward_last_logits(self.model, after, cache)
+        cap = self.settings.max_new_tokens
+        budget = sample.max_new_tokens if cap is None else min(cap, sample.max_new_tokens)
+        done = None
+        if self.settings.stop_when_answered:
+            done = lambda t: score_prediction(  # noqa: E731
+                sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+        tokens = greedy_decode(self.model, cache, logits, budget, self._stop, done)
+        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        final = cache.stats()
+        row.update(
+            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
+            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
+            **score_prediction(sample.metric, prediction, sample.answers),
+            achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
+            kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
+            stored_per_layer_mean=sum(stats.stored_per_layer) / max(1, len(stats.stored_per_layer)),
+            prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
+        )
+        return row
+
+    def _can_reuse(self, method, shared: SharedPrefill) -> bool:
+        if not reuses_prefill(method, self.settings.prefill_chunk_size):
+            return False
+        return shared.has_queries or not waits_for_attention(method)
+
+    def _wants_shared(self, jobs: list[Job], n: int) -> tuple[bool, bool]:
+        """(run a shared prefill?, capture queries?) for the pending jobs of one sample."""
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None:
+            return False, False
+        methods = []
+        for job in jobs:
+            try:
+                methods.append(build_method(job.spec, job.compression_ratio, n, self.settings.compression))
+            except (KvtrimError, NotImplementedError):
+                continue
+        reusable = [m for m in methods if reuses_prefill(m)]
+        if len(reusable) < 2:  # one method: prefilling it directly costs the same
+            return False, False
+        return True, any(waits_for_attention(m) for m in reusable)
+
+    # ---- the sweep ---------------------------------------------------------------------------
+    def run(self, jobs: list[Job]) -> list[dict]:
+        """Run the jobs not yet in `results.jsonl`; returns all rows of the file afterwards."""
+        from tqdm.auto import tqdm
+
+        check_run_settings(self.out_dir, self.settings)
+        done = {row.get("key") for row in load_rows(self.out_dir)}
+        pending = [job for job in jobs if job.key not in done]
+        by_sample: dict[str, list[Job]] = {}
+        for job in pending:
+            by_sample.setdefault(job.sample.id, []).append(job)
+        bar = tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc="kvtrim eval", unit="run",
+                   disable=not self.progress, dynamic_ncols=True)
+        path = os.path.join(self.out_dir, RESULTS)
+        try:
+            with open(path, "a", encoding="utf-8") as out:
+                for sample_jobs in by_sample.values():
+                    sample = sample_jobs[0].sample
+                    compressed, after = self.encode(sample)
+                    limit = getattr(self.model.config, "max_position_embeddings", None)
+                    need = compressed.shape[-1] + after.shape[-1] + sample.max_new_tokens
+                    check(limit is None or need <= limit,
+                          f"sample {sample.id} needs {need} tokens, beyond the model's context of {limit}")
+                    want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
+                    shared = shared_prefill(self.model, compressed, queries) if want else None
+                    for job in sample_jobs:
+                        bar.set_postfix_str(f"{sample.task} {job.spec.label} r={job.compression_ratio:g}", refresh=False)
+                        row = self.run_job(job, compressed, after, shared)
+                        out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        out.flush()
+                        bar.update(1)
+                    del shared
+        finally:
+            bar.close()
+        return load_rows(self.out_dir)

@@ -1,0 +1,103 @@
+"""One evaluation sample, and the JSONL task-file format that stores samples.
+
+A sample is split the way kvpress splits RULER: `context` (what gets compressed in the default,
+query-agnostic protocol), `question` (appended after compression), `answer_prefix` (the start of the
+assistant's answer, fed to the model before decoding), `answers` (reference strings).
+
+Task file (`kvtrim eval --task-file F.jsonl`), one JSON object per line:
+
+    {"context": "...", "question": "...", "answers": ["..."], "max_new_tokens": 32,
+     "answer_prefix": "...", "task": "my_task", "length": 4096, "depth": 0.5, "id": "my_task-0",
+     "metric": "string_match_all"}
+
+Required: `context`, `question`, `answers` (a string or a list; `outputs` and `answer` are accepted as
+aliases, as in RULER and kvpress exports), `max_new_tokens`. Optional: `answer_prefix` (default ""),
+`task` (default "custom"), `length` (the target length in tokens, used for grouping in reports;
+default: measured), `depth` (0..1, needle depth, for heat maps), `id` (default `<task>-<line>`),
+`metric` (`string_match_all` (default), `string_match_part`, `passkey`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtrim.methods.base import KvtrimError, check
+
+METRICS = ("string_match_all", "string_match_part", "passkey")
+
+
+@dataclass
+class Sample:
+    id: str
+    task: str
+    context: str
+    question: str
+    answers: list[str]
+    max_new_tokens: int
+    answer_prefix: str = ""
+    metric: str = "string_match_all"
+    length: int = 0  # target length in tokens (prompt + max_new_tokens, RULER's convention); 0 = unknown
+    depth: float | None = None  # needle depth in [0, 1] where it is controlled
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+
+def sample_from_dict(row: dict[str, Any], default_id: str) -> Sample:
+    """Build a `Sample` from a task-file row (see the module docstring); one-line errors for bad rows."""
+    check(isinstance(row, dict), f"{default_id}: expected a JSON object")
+    for key in ("context", "question"):
+        check(isinstance(row.get(key), str), f"{default_id}: missing or non-string '{key}'")
+    answers = next((row[k] for k in ("answers", "outputs", "answer") if k in row), None)
+    if isinstance(answers, str):
+        answers = [answers]
+    check(
+        isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers),
+        f"{default_id}: 'answers' must be a non-empty string or list of strings",
+    )
+    max_new = row.get("max_new_tokens")
+    check(isinstance(max_new, int) and max_new >= 1, f"{default_id}: 'max_new_tokens' must be a positive integer")
+    metric = row.get("metric", "string_match_all")
+    check(metric in METRICS, f"{default_id}: unknown metric '{metric}' (use one of {', '.join(METRICS)})")
+    depth = row.get("depth")
+    check(depth is None or (isinstance(depth, (int, float)) and 0 <= depth <= 1),
+          f"{default_id}: 'depth' must be a number in [0, 1]")
+    task = str(row.get("task", "custom"))
+    return Sample(
+        id=str(row.get("id", default_id)), task=task, context=row["context"], question=row["question"],
+        answers=answers, max_new_tokens=max_new, answer_prefix=str(row.get("answer_prefix", "") or ""),
+        metric=metric, length=int(row.get("length", 0) or 0), depth=None if depth is None else float(depth),
+        meta=dict(row.get("meta", {}) or {}),
+    )
+
+
+def read_task_file(path: str) -> list[Sample]:
+    """Samples of a JSONL task file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise KvtrimError(f"cannot read task file {path}: {err}") from None
+    samples = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise KvtrimError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        task = row.get("task", "custom") if isinstance(row, dict) else "custom"
+        samples.append(sample_from_dict(row, f"{task}-{number - 1}"))
+    check(bool(samples), f"task file {path} holds no samples")
+    ids = [s.id for s in samples]
+    check(len(set(ids)) == len(ids), f"task file {path}: sample ids are not unique")
+    return samples
+
+
+def write_task_file(path: str, samples: list[Sample]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(s.to_json() + "\n")

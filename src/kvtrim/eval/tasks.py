@@ -1,0 +1,84 @@
+"""The task registry: names -> seeded, deterministic sample generators sized in the model's tokens.
+
+Tasks:
+* RULER's 11 offline synthetic tasks (`kvtrim.eval.ruler`): niah_single_1/2/3, niah_multikey_1/2/3,
+  niah_multivalue, niah_multiquery, vt, cwe, fwe;
+* `passkey` (5 digits) and `passkey_64` (64 digits), filler haystack, needle at a controlled depth;
+* `niah`: one needle (RULER's niah_single_2 format, synthetic prose haystack) at a controlled depth,
+  for the depth x length heat map.
+
+Length convention (RULER's): a sample of length L has `prompt tokens + max_new_tokens <= L`, counted
+with the model's tokenizer and prompt format (chat template included), as close to L as whole
+haystack pieces allow. Depth tasks (`passkey*`, `niah`) make `n` samples per depth.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvtrim.eval.fit import fit_sample, largest_fitting
+from kvtrim.eval.passkey import PASSKEY_TASKS, passkey_eval_sample, passkey_max_new_tokens, random_key
+from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, ruler_sample, units_hint
+from kvtrim.eval.sample import Sample
+from kvtrim.methods.base import KvtrimError, check
+
+DEPTH_TASKS = ["passkey", "passkey_64", "niah"]
+TASKS = RULER_TASKS + DEPTH_TASKS
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+NIAH_MAX_NEW_TOKENS = 32  # the answer is a 7-digit number in one short sentence
+
+
+def check_tasks(names: list[str]) -> None:
+    unknown = [t for t in names if t not in TASKS]
+    check(not unknown, f"unknown task {', '.join(unknown)}; known tasks: {', '.join(TASKS)}")
+
+
+def max_new_tokens(task: str) -> int:
+    if task in PASSKEY_TASKS:
+        return passkey_max_new_tokens(PASSKEY_TASKS[task])
+    if task == "niah":
+        return NIAH_MAX_NEW_TOKENS
+    return ruler_sample(task, "probe", random.Random(0), 4, 4096).max_new_tokens
+
+
+def _builder(task: str, length: int, seed: int, depth: float | None):
+    """`make(index, units) -> Sample` for one (task, length, depth) cell; deterministic in its arguments."""
+    tag = "" if depth is None else f"/d{round(depth * 100)}"
+
+    def make(index: int, units: int) -> Sample:
+        sample_id = f"{task}/L{length}{tag}/s{seed}/{index}"
+        rng = random.Random(f"{sample_id}")
+        if task in PASSKEY_TASKS:
+            key = random_key(rng, PASSKEY_TASKS[task])
+            return passkey_eval_sample(task, sample_id, key, depth, units, length)
+        if task == "niah":
+            s = ruler_sample("niah_single_2", sample_id, rng, units, length, haystack_seed=seed, depth=depth)
+            s.task, s.max_new_tokens, s.depth = "niah", NIAH_MAX_NEW_TOKENS, depth
+            return s
+        return ruler_sample(task, sample_id, rng, units, length, haystack_seed=seed)
+
+    return make
+
+
+def generate_samples(
+    task: str, fmt: PromptFormat, length: int, n: int, seed: int = 0, depths: tuple[float, ...] | None = None,
+) -> list[Sample]:
+    """`n` samples of `task` at `length` tokens (per depth for depth tasks), deterministic under `seed`."""
+    check_tasks([task])
+    check(n >= 1, f"--samples must be >= 1, got {n}")
+    budget = length - max_new_tokens(task)
+    cells = list(depths or DEFAULT_DEPTHS) if task in DEPTH_TASKS else [None]
+    samples: list[Sample] = []
+    for depth in cells:
+        make = _builder(task, length, seed, depth)
+        start = units_hint("niah_single_2" if task == "niah" else task, length) if task not in PASSKEY_TASKS else 8
+        try:
+            units = largest_fitting(lambda u: make(0, u), fmt.count, budget, start=start)
+        except KvtrimError as err:
+            raise KvtrimError(f"task {task} at length {length}: {err} (plus {max_new_tokens(task)} to generate)") from None
+        samples += [fit_sample(lambda u, i=i: make(i, u), fmt.count, budget, units) for i in range(n)]
+    return samples
+
+
+__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "TASKS", "check_tasks", "generate_samples"]

@@ -1,0 +1,215 @@
+"""The sweep runner: prefill reuse equals recomputation, resume skips finished rows, reports get written."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from kvtrim.attention import enable
+from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.report import summarize, write_report
+from kvtrim.eval.reuse import replay, reuses_prefill, shared_prefill, waits_for_attention
+from kvtrim.eval.runner import RESULTS, Runner, RunSettings, load_rows, plan
+from kvtrim.eval.specs import build_method, parse_method_specs
+from kvtrim.eval.tasks import generate_samples
+from kvtrim.methods import METHODS
+from kvtrim.methods.base import KvtrimError
+from kvtrim.prefill import prefill
+
+# every registered method, with parameters that make it evict on ~400-token prompts
+SPECS = {
+    "full": "full", "lagkv": "lagkv:sink_size=4:lag_size=16", "streaming": "streaming",
+    "keydiff": "keydiff:block_size=32", "snapkv": "snapkv:window=8", "h2o": "h2o", "tova": "tova",
+    "lazyeviction": "lazyeviction:window=16",
+}
+
+
+def _specs():
+    names = [SPECS.get(name, name) for name in METHODS]
+    try:
+        return parse_method_specs(names)
+    except KvtrimError:  # a method whose parameters changed: fall back to its defaults
+        return parse_method_specs(list(METHODS))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from kvtrim.models import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny random Llama (GQA 4/2) whose vocabulary covers the SmolLM2 tokenizer, on kvtrim attention."""
+    return enable(tiny_model("llama", vocab=49152, layers=2))
+
+
+@pytest.fixture(scope="module")
+def samples(tok):
+    fmt = PromptFormat(tok)
+    return generate_samples("niah_single_1", fmt, 400, 1, seed=1) + generate_samples(
+        "passkey", fmt, 300, 1, seed=1, depths=(0.5,))
+
+
+def _layers(cache: TrimCache):
+    return [layer for layer in cache.layers if isinstance(layer, TrimLayer)]
+
+
+def test_replayed_cache_equals_direct_prefill(model, tok, samples, ratio=0.75):
+    """For every method that reuses the prefill: same stored keys, values, positions and the same next logits."""
+    ids = PromptFormat(tok).encode(samples[0])[0]
+    n = ids.shape[-1]
+    shared = shared_prefill(model, ids, capture_queries=True)
+    assert shared.has_queries
+    checked = 0
+    for spec in _specs():
+        try:
+            method = build_method(spec, ratio, n)
+        except (KvtrimError, NotImplementedError):
+            continue
+        if not reuses_prefill(method):
+            continue
+        direct = TrimCache(method, config=model.config)
+        logits = prefill(model, ids, direct)
+        replayed = replay(shared, build_method(spec, ratio, n), model.config)
+        assert torch.equal(logits, shared.logits)
+        for a, b in zip(_layers(direct), _layers(replayed), strict=True):
+            assert torch.equal(a.positions, b.positions), spec.label
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), spec.label
+            assert a.seen == b.seen == n
+        if not spec.is_full and method.name != "lazyeviction":  # lazyeviction keeps the prompt at prefill
+            assert _layers(replayed)[0].stored < n, f"{spec.label} evicted nothing: the test would prove little"
+        # the next step (a question token) behaves the same on both caches
+        step = torch.tensor([[42]])
+        pos = torch.tensor([[n]])
+        out_d = model(input_ids=step, cache=direct, position_ids=pos).logits
+        out_r = model(input_ids=step, cache=replayed, position_ids=pos).logits
+        assert torch.equal(out_d, out_r), spec.label
+        checked += 1
+    assert checked >= 3
+
+
+def test_reuse_rule():
+    for name, cls in METHODS.items():
+        if name == "keydiff":
+            assert not reuses_prefill(cls.at_budget(64, 400))  # block-wise prefill changes hidden states
+            assert reuses_prefill(cls(compression_ratio=0.5))  # its one-shot mode does not
+    lag = build_method(parse_method_specs("lagkv")[0], 0.5, 1000)
+    assert reuses_prefill(lag) and not reuses_prefill(lag, chunk_size=128)
+
+
+def _run(model, tok, samples, out, reuse, specs=None, ratios=(0.8,)):
+    settings = RunSettings(model="tiny", max_new_tokens=4, reuse_prefill=reuse, stop_when_answered=False)
+    runner = Runner(model, tok, settings, str(out), progress=False)
+    return runner, runner.run(plan(samples, specs or _specs(), list(ratios)))
+
+
+def test_sweep_with_prefill_reuse_matches_recomputing(model, tok, samples, tmp_path):
+    _, reused = _run(model, tok, samples, tmp_path / "reuse", reuse=True)
+    _, fresh = _run(model, tok, samples, tmp_path / "fresh", reuse=False)
+    assert [r["key"] for r in reused] == [r["key"] for r in fresh]
+    assert not any(r.get("prefill_reused") for r in fresh)
+    assert sum(bool(r.get("prefill_reused")) for r in reused) >= len(reused) // 2
+    for a, b in zip(reused, fresh):
+        assert a.get("skipped") == b.get("skipped")
+        if "skipped" in a:
+            continue
+        assert a["prediction"] == b["prediction"], a["key"]
+        assert a["achieved_compression"] == b["achieved_compression"], a["key"]
+        assert a["final_compression"] == b["final_compression"], a["key"]
+    for r in reused:
+        if "skipped" not in r and r["method_name"] == "keydiff":
+            assert not r["prefill_reused"]
+    assert any(0.7 < r.get("achieved_compression", 0) for r in reused)
+
+
+def test_resume_skips_finished_rows(model, tok, samples, tmp_path):
+    specs = parse_method_specs(["full", "streaming"])
+    runner, rows = _run(model, tok, samples, tmp_path, reuse=True, specs=specs, ratios=(0.5,))
+    assert len(rows) == 4
+    path = os.path.join(tmp_path, RESULTS)
+    lines = open(path).read().splitlines()
+    # an interrupted run: the last row was cut in the middle of writing
+    open(path, "w").write("\n".join(lines[:2]) + "\n" + lines[2][:20] + "\n")
+    calls = []
+    original = Runner.run_job
+
+    def spy(self, job, *args):
+        calls.append(job.key)
+        return original(self, job, *args)
+
+    Runner.run_job = spy
+    try:
+        _, again = _run(model, tok, samples, tmp_path, reuse=True, specs=specs, ratios=(0.5,))
+        assert calls == [json.loads(line)["key"] for line in lines[2:]]
+        calls.clear()
+        _run(model, tok, samples, tmp_path, reuse=True, specs=specs, ratios=(0.5,))
+        assert calls == []  # nothing left to do
+    finally:
+        Runner.run_job = original
+    assert sorted(r["key"] for r in again) == sorted(json.loads(line)["key"] for line in lines)
+    with pytest.raises(KvtrimError, match="other settings"):
+        Runner(model, tok, RunSettings(model="tiny", max_new_tokens=6), str(tmp_path), progress=False).run([])
+
+
+def test_query_aware_compresses_the_question_too(model, tok, samples, tmp_path):
+    settings = RunSettings(model="tiny", query_aware=True, max_new_tokens=3, stop_when_answered=False)
+    runner = Runner(model, tok, settings, str(tmp_path), progress=False)
+    rows = runner.run(plan(samples[:1], parse_method_specs(["full", "streaming"]), [0.5]))
+    prefix, suffix = PromptFormat(tok).encode(samples[0])
+    assert all(r["compressed_tokens"] == prefix.shape[-1] + suffix.shape[-1] for r in rows)
+
+
+def test_unbuildable_method_is_recorded_as_skipped(model, tok, samples, tmp_path):
+    rows = _run(model, tok, samples[:1], tmp_path, reuse=True, specs=parse_method_specs(["lagkv"]), ratios=(0.99,))[1]
+    assert len(rows) == 1 and "skipped" in rows[0] and "score" not in rows[0]
+
+
+def test_report_files(model, tok, tmp_path):
+    fmt = PromptFormat(tok)
+    samples = generate_samples("niah", fmt, 300, 1, depths=(0.0, 1.0))
+    _, rows = _run(model, tok, samples, tmp_path, reuse=True, specs=parse_method_specs(["full", "streaming"]),
+                   ratios=(0.5,))
+    files = write_report(rows, str(tmp_path), header="# test run")
+    md = open(files["markdown"]).read()
+    assert "| full | 0 |" in md and "| streaming | 0.5 |" in md and "synthetic" in md
+    assert os.path.exists(files["csv"]) and all(os.path.getsize(p) > 1000 for p in files["plots"])
+    assert any("heatmap_niah_streaming" in p for p in files["plots"])
+    avg = [r for r in summarize(rows) if r["task"] == "average" and r["method"] == "streaming"][0]
+    assert 0.45 < avg["achieved_compression"] < 0.55
+
+
+def test_waits_for_attention_flags():
+    assert not waits_for_attention(METHODS["lagkv"]())
+    if "snapkv" in METHODS:
+        assert waits_for_attention(METHODS["snapkv"].at_budget(64, 400))
+
+
+@pytest.mark.integration
+def test_real_model_retrieves_and_reuse_matches_recompute(smollm, tmp_path):
+    """SmolLM2: the full cache finds a mid-context needle, StreamingLLM at 0.875 cannot (the needle is
+    evicted), and replaying the shared prefill gives the very same answers as prefilling each method."""
+    model, tok = smollm
+    enable(model)
+    samples = generate_samples("niah", PromptFormat(tok), 1024, 1, seed=0, depths=(0.5,))
+    specs = parse_method_specs(["full", "streaming", "lagkv:lag_size=32", "snapkv"])
+    results = {}
+    for reuse in (True, False):
+        settings = RunSettings(model="smollm2-135m", max_new_tokens=12, reuse_prefill=reuse)
+        rows = Runner(model, tok, settings, str(tmp_path / str(reuse)), progress=False).run(
+            plan(samples, specs, [0.875]))
+        results[reuse] = {r["method"]: r for r in rows}
+    full, streaming = results[True]["full"], results[True]["streaming"]
+    assert full["score"] == 1.0, full["prediction"]
+    assert streaming["score"] == 0.0 and streaming["achieved_compression"] > 0.85, streaming["prediction"]
+    assert sum(r["prefill_reused"] for r in results[True].values()) == len(specs)
+    for method, row in results[True].items():
+        assert row["prediction"] == results[False][method]["prediction"], method
