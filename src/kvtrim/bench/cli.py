@@ -1,0 +1,121 @@
+"""`kvtrim bench`: speed and memory per method and context length (and `--vs-kvpress`)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pathlib
+import shlex
+import sys
+
+from kvtrim.methods import METHODS
+from kvtrim.methods.base import KvtrimError, check
+
+DEFAULT_METHODS = ",".join(METHODS)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="speed and memory per method and context length (vs the full cache, or vs kvpress)",
+        description="Measure prefill time (and the part spent choosing what to evict), decode speed, stored "
+                    "KV bytes and peak memory, per method and context length, interleaved; write JSON + plots.",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name or local dir; 'arch:NAME' = that architecture with random weights")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated NAME[:param=value...] (default: every registered method at the "
+                        "run's compression ratio); 'full' is always included")
+    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8192], help="prompt lengths in tokens")
+    p.add_argument("--compression-ratio", type=float, default=0.75,
+                   help="fraction of the prompt's entries removed (methods built with at_budget)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded after the prompt")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="runs/bench", help="output folder (JSON + PNG)")
+    p.add_argument("--name", default="bench", help="file name prefix inside --out")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--trace-length", type=int, default=4096,
+                   help="prompt length of the stored-bytes trace (0 = none)")
+    p.add_argument("--trace-decode", type=int, default=256, help="decode steps in the stored-bytes trace")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="raise the model's configured context (timing beyond it; outputs not meaningful)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new repeat (or trace) likely to end after this many seconds")
+    p.add_argument("--no-plots", action="store_true")
+    kv = p.add_argument_group("side by side with kvpress (--vs-kvpress)")
+    kv.add_argument("--vs-kvpress", action="store_true",
+                    help="compare with kvpress 0.5.5 (run scripts/kvpress_env.sh first) instead of the sweep")
+    kv.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
+    kv.add_argument("--passkey-trials", type=int, default=5)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _command_line() -> str:
+    return "kvtrim " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else ""
+
+
+def cmd_bench(args) -> int:
+    from kvtrim.bench.specs import parse_methods
+
+    specs = parse_methods(args.methods)  # validate before loading the model
+    out = pathlib.Path(args.out)
+    if args.vs_kvpress:
+        from kvtrim.bench.kvpress_compare import CompareConfig, run_compare
+
+        check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
+        cfg = CompareConfig(model=args.model, lengths=args.lengths, compression_ratio=args.compression_ratio,
+                            repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.new_tokens,
+                            kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed)
+        run_compare(cfg, out, command=_command_line(), progress=lambda s: print(s, file=sys.stderr, flush=True))
+        return 0
+
+    from kvtrim.bench.arch import load_bench_model
+    from kvtrim.bench.runner import BenchConfig, run_bench
+    from kvtrim.bench.summary import write_json
+
+    config = BenchConfig(
+        model=args.model, methods=specs, lengths=args.lengths, compression_ratio=args.compression_ratio,
+        new_tokens=args.new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
+        warmup=not args.no_warmup, trace_length=args.trace_length, trace_decode=args.trace_decode, seed=args.seed,
+        threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
+    )
+    config.validate()
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    model, tok, info = load_bench_model(args.model, args.dtype, args.device, args.max_context, args.seed)
+    gc.collect()
+    gc.freeze()  # the model's objects are permanent: later collections (one per measured block) stay cheap
+    try:
+        result = run_bench(model, tok, config, progress=lambda s: print(s, file=sys.stderr, flush=True),
+                           model_info=info)
+    finally:
+        gc.unfreeze()
+    result["meta"]["command"] = _command_line()
+    path = write_json(result, out / f"{args.name}.json")
+    print(path)
+    if not args.no_plots:
+        from kvtrim.bench.plots import plot_all
+
+        for p in plot_all(result, out, prefix=args.name):
+            print(p)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit("use: kvtrim bench ...")
+
+
+__all__ = ["add_parser", "cmd_bench", "KvtrimError"]

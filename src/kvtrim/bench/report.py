@@ -1,0 +1,205 @@
+"""Markdown tables (for the README) regenerated from benchmark JSON files.
+
+    python -m kvtrim.bench.report benchmarks/bench          # rewrites benchmarks/bench/README.md + plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from kvtrim.bench.summary import read_json, validate_result
+from kvtrim.methods.base import KvtrimError
+
+MIB = 2**20
+
+
+def _f(value, fmt: str, scale: float = 1.0, none: str = "–") -> str:
+    return none if value is None else format(value * scale, fmt)
+
+
+def bench_table(result: dict) -> str:
+    """One row per (length, method): the medians and the ratios against the full cache."""
+    lines = [
+        "| prompt tokens | method | prefill s (× full) | eviction ms (% of prefill) | decode tok/s (× full) "
+        "| stored MiB after prefill (vs ideal) | KV peak MiB, at once / Σ layers | peak mem MiB prefill "
+        "(× full) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = sorted(result["summary"], key=lambda r: (r["length"], 0 if r["method"] == "full" else 1))
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['length']} | {r['method']} | skipped: {r.get('reason', '')} | | | | | |")
+            continue
+        ideal = "" if r.get("stored_vs_ideal") is None else f" ({r['stored_vs_ideal'] * 100:+.1f} %)"
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['method']} "
+            f"| {_f(r['prefill_s'], '.2f')} ({_f(r['prefill_vs_full'], '.2f')}) "
+            f"| {_f(r['prefill_evict_s'], '.1f', 1000)} ({_f(r['evict_share_prefill'], '.2f', 100)} %) "
+            f"| {_f(r['decode_tps'], '.1f')} ({_f(r['decode_tps_vs_full'], '.2f')}) "
+            f"| {_f(r['stored_bytes_prefill'], '.1f', 1 / MIB)}{ideal} "
+            f"| {_f(r['kv_live_peak_bytes'], '.1f', 1 / MIB)} / {_f(r['kv_peak_layer_sum_bytes'], '.1f', 1 / MIB)} "
+            f"| {_f(r['mem_peak_prefill_bytes'], '.0f', 1 / MIB)} ({_f(r.get('mem_peak_prefill_vs_full'), '.2f')}) |"
+        )
+    return "\n".join(lines)
+
+
+def decode_table(result: dict) -> str:
+    """Decode-time eviction cost per generated token (methods that evict while decoding)."""
+    lines = ["| prompt tokens | method | decode step ms | eviction per step ms (% of step) | evictions |",
+             "|---:|---|---:|---:|---:|"]
+    for r in sorted(result["summary"], key=lambda r: (r["length"], r["method"])):
+        if r.get("status") != "ok" or r["method"] == "full":
+            continue
+        step = r["decode_step_s"]
+        per_step = r["decode_evict_s"] / result["meta"]["config"]["new_tokens"]
+        lines.append(f"| {r['prompt_tokens']} | {r['method']} | {step * 1000:.1f} | {per_step * 1000:.2f} "
+                     f"({_f(r['evict_share_decode'], '.1f', 100)} %) | {r['decode_evictions']:.0f} |")
+    return "\n".join(lines)
+
+
+def _base(method: str) -> str:
+    return method.split(":")[0]
+
+
+def _cells(result: dict, name: str, length: int | None = None, fixed_budget: bool | None = None) -> list[dict]:
+    out = []
+    for r in result["summary"]:
+        if r.get("status") != "ok" or _base(r["method"]) != name:
+            continue
+        if length is not None and r["length"] != length:
+            continue
+        if fixed_budget is not None and (("budget=" in r["method"]) != fixed_budget):
+            continue
+        out.append(r)
+    return out
+
+
+def targets(result: dict) -> list[str]:
+    """The project's speed/memory targets, checked against this result (where it has the cells)."""
+    out = []
+    lengths = sorted({r["length"] for r in result["summary"]})
+    at4k = 4096 if 4096 in lengths else None
+    for name in ("lagkv", "keydiff"):
+        for r in _cells(result, name, at4k, fixed_budget=False) if at4k else []:
+            share = r["evict_share_prefill"]
+            ok = share is not None and share < 0.03
+            out.append(f"- {'✅' if ok else '❌'} eviction bookkeeping of `{r['method']}` at {r['prompt_tokens']} "
+                       f"tokens: {share * 100:.2f} % of prefill (target < 3 %)")
+    for r in _cells(result, "lazyeviction"):
+        share = r["evict_share_decode"]
+        ok = share is not None and share < 0.10
+        out.append(f"- {'✅' if ok else '❌'} LazyEviction per-step overhead (`{r['method']}`, {r['prompt_tokens']} "
+                   f"tokens): {share * 100:.1f} % of a decode step (target < 10 %)")
+    top = max(lengths) if lengths else None
+    for r in result["summary"]:
+        if r.get("status") != "ok" or r["method"] == "full" or r["length"] != top or "budget=" in r["method"]:
+            continue
+        tps = r.get("decode_tps_vs_full")
+        ideal = r.get("stored_vs_ideal")
+        out.append(
+            f"- {'✅' if tps and tps > 1 else '❌'} decode speed of `{r['method']}` at {r['prompt_tokens']} tokens: "
+            f"{_f(tps, '.2f')} × full; {'✅' if ideal is not None and abs(ideal) <= 0.02 else '❌'} stored bytes "
+            f"{_f(ideal, '+.1f', 100)} % vs ideal (target within 2 %)"
+        )
+    fixed = _cells(result, "keydiff", fixed_budget=True)
+    if len(fixed) >= 2:
+        peaks = [(r["prompt_tokens"], r["kv_live_peak_bytes"], r["mem_peak_prefill_bytes"], r.get("peak_per_layer"))
+                 for r in sorted(fixed, key=lambda r: r["length"])]
+        kv = [p[1] for p in peaks[1:]]
+        flat = max(kv) <= min(kv) * 1.001
+        out.append(
+            f"- {'✅' if flat else '❌'} KeyDiff block-wise prefill, fixed budget (`{fixed[0]['method']}`): analytic KV "
+            f"peak {', '.join(f'{p[1] / MIB:.1f}' for p in peaks)} MiB at {', '.join(str(p[0]) for p in peaks)} tokens; "
+            f"(entries per layer at most {', '.join(str(p[3][1]) if p[3] else '?' for p in peaks)}); "
+            f"measured prefill peak {', '.join(f'{p[2] / MIB:.0f}' for p in peaks)} MiB"
+        )
+    return out
+
+
+def environment_line(result: dict) -> str:
+    env, cfg = result["meta"]["env"], result["meta"]["config"]
+    model = result["meta"].get("model", {})
+    device = env.get("gpu") or f"{env.get('processor')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} threads)"
+    return (f"model `{model.get('name', cfg['model'])}` ({model.get('weights', 'pretrained')} weights), {env['dtype']}, "
+            f"{env.get('attn_implementation')}, {device}, torch {env['torch']}, transformers {env['transformers']}; "
+            f"compression ratio {cfg['compression_ratio']}, {cfg['new_tokens']} decoded tokens, "
+            f"{cfg['repeats']} repeat(s), medians; load average {env.get('loadavg_start')} → {env.get('loadavg_end')}; "
+            f"{env['date']}, {result['meta'].get('wall_s', 0) / 60:.1f} min")
+
+
+def result_section(result: dict, name: str) -> str:
+    cmd = result["meta"].get("command", "")
+    parts = [f"### {name}", "", f"`{cmd}`" if cmd else "", "", environment_line(result), "",
+             bench_table(result), "", "Decode-time eviction:", "", decode_table(result)]
+    goals = targets(result)
+    if goals:
+        parts += ["", "Targets:", "", *goals]
+    return "\n".join(parts)
+
+
+def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots: bool = True) -> pathlib.Path:
+    """Rewrite `directory/README.md` (and, with `plots`, the plots) from every `*.json` bench result in it."""
+    from kvtrim.bench.plots import plot_all
+
+    directory = pathlib.Path(directory)
+    files = sorted(p for p in directory.glob("*.json") if not p.name.startswith("kvpress"))
+    if not files:
+        raise KvtrimError(f"no benchmark JSON in {directory}")
+    sections = []
+    for path in files:
+        try:
+            result = read_json(path)
+        except KvtrimError:
+            continue
+        problems = validate_result(result)
+        if problems:
+            raise KvtrimError(f"{path}: {problems[0]}")
+        if plots:
+            plot_all(result, directory, prefix=path.stem)
+        images = "\n".join(f"![{p.stem}]({p.name})" for p in sorted(directory.glob(f"{path.stem}_*.png")))
+        sections.append(result_section(result, path.stem) + "\n\n" + images)
+    compare = directory / "kvpress_compare.md"
+    text = [intro or _INTRO, *sections]
+    if compare.exists():
+        text.append(compare.read_text())
+    out = directory / "README.md"
+    out.write_text("\n\n".join(text).rstrip() + "\n")
+    return out
+
+
+_INTRO = """# kvtrim bench: speed and memory
+
+Generated by `python -m kvtrim.bench.report benchmarks/bench` from the JSON files in this folder
+(each made by the `kvtrim bench` command shown above its table). Columns:
+
+* **prefill s (× full)**: wall time of the prompt's forward pass(es), median over repeats; in brackets,
+  the median of the paired ratio to the full cache measured in the same round.
+* **eviction ms (% of prefill)**: the part of the prefill spent choosing what to evict (the method's
+  hooks: scoring) and building the smaller tensors (gather), timed around exactly those calls.
+* **decode tok/s (× full)**: greedy decoding of the given number of tokens after the prompt.
+* **stored MiB after prefill (vs ideal)**: `cache.stats().bytes_stored`; in brackets, the distance to
+  the ideal `(1 - compression ratio) × full`.
+* **KV peak MiB**: analytic, from the entries held: *at once* = most entries held by all layers
+  together after an append, before eviction; *Σ layers* = sum of each layer's own peak (`TrimLayer.peak`).
+* **peak mem MiB prefill**: measured: on CPU the kernel's resident-set high-water mark during the
+  prefill minus the resident set before it (reset through `/proc/self/clear_refs`); on CUDA
+  `max_memory_allocated` minus the allocation before it. Activations are included.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtrim.bench.report", description=__doc__)
+    parser.add_argument("directory", help="folder holding bench JSON files (README.md is written there)")
+    args = parser.parse_args(argv)
+    try:
+        print(write_readme(args.directory))
+    except KvtrimError as err:
+        print(f"kvtrim: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""The benchmark loop: per method and context length, prefill time (and its eviction part), decode speed,
+stored bytes and peak memory, interleaved so that machine noise hits every method alike.
+
+Order: for each repeat, for each length, every method once (the method order rotates by one each
+repeat). One warm-up cell per method runs first and is discarded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from kvtrim.bench.memory import PeakMemory
+from kvtrim.bench.specs import MethodSpec
+from kvtrim.bench.timing import EvictionTimer
+from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+from kvtrim.methods.lagkv import LagKV
+from kvtrim.prefill import default_chunk_size, lagkv_chunk_sizes, prefill
+
+SCHEMA = "kvtrim.bench/1"
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. `lengths` are prompt lengths in tokens (clipped to fit the model's context)."""
+
+    model: str = "smollm2-135m"
+    methods: list[MethodSpec] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    compression_ratio: float = 0.75
+    new_tokens: int = 32
+    repeats: int = 3
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: bool = True
+    trace_length: int = 4096  # 0 = no stored-bytes trace
+    trace_decode: int = 256
+    seed: int = 0
+    threads: int | None = None
+    max_context: int | None = None  # raise the model's configured context (timing beyond it; see gpu.sh)
+    collect_garbage: bool = True  # gc.collect() before each measured block (cheap after gc.freeze())
+    time_budget_s: float | None = None  # start no new repeat (and no trace) that would likely end past this
+
+    def validate(self) -> None:
+        check(bool(self.methods), "no method to benchmark")
+        check(bool(self.lengths) and all(n >= 8 for n in self.lengths), f"lengths must be >= 8, got {self.lengths}")
+        check(0 <= self.compression_ratio < 1, f"--compression-ratio must be in [0, 1), got {self.compression_ratio}")
+        check(self.new_tokens >= 1, f"--new-tokens must be >= 1, got {self.new_tokens}")
+        check(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
+        check(self.trace_length >= 0 and self.trace_decode >= 0, "trace sizes must be >= 0")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["methods"] = [m.label for m in self.methods]
+        return d
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prompt_ids(tokenizer, n_tokens: int, seed: int = 0, vocab_size: int | None = None) -> torch.Tensor:
+    """`(1, ~n_tokens)` prompt ids: a passkey prompt (needle in the middle) sized in the model's tokens,
+    or seeded random ids when there is no tokenizer (random-weight models)."""
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(seed + n_tokens)
+        return torch.randint(0, vocab_size or 1000, (1, n_tokens), generator=gen)
+    from kvtrim.eval.passkey import passkey_samples
+
+    sample = passkey_samples(tokenizer, n_tokens, 1, seed=seed)[0]
+    ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
+    return ids[:, :n_tokens]
+
+
+def fitted_length(model, n_tokens: int, new_tokens: int) -> int:
+    """Prompt length that leaves room for `new_tokens` (+1 for the token read off the prefill)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return n_tokens if not limit else min(n_tokens, limit - new_tokens - 1)
+
+
+def prefill_schedule(method: EvictionMethod, n: int) -> tuple[list[int], str]:
+    """How the benchmark feeds a prompt of `n` tokens: the method's own block size when it has one
+    (KeyDiff budget mode: the paper's block-wise prefill), else one forward."""
+    size = default_chunk_size(method)
+    if size is None or size >= n:
+        return [n], "one-shot"
+    return [min(size, n - s) for s in range(0, n, size)], f"blocks of {size}"
+
+
+def trace_schedule(method: EvictionMethod, n: int) -> tuple[list[int], str]:
+    """Feeding for the stored-bytes trace: as in the benchmark, except LagKV's reference mode, which is
+    fed chunk by chunk (paper section 4.3) so that its staircase shows during the prompt too."""
+    if isinstance(method, LagKV) and method.mode == "reference":
+        return lagkv_chunk_sizes(n, method.sink_size, method.lag_size), "lagkv chunks"
+    return prefill_schedule(method, n)
+
+
+@torch.no_grad()
+def decode(model, cache: TrimCache, logits: torch.Tensor, n_tokens: int,
+           each_step: Callable[[], None] | None = None) -> torch.Tensor:
+    """Greedy decode `n_tokens` forwards after a prefill whose last logits are `logits` `(batch, vocab)`.
+    Returns the generated ids `(batch, n_tokens + 1)` (the first one comes from the prefill logits)."""
+    token = logits.argmax(-1, keepdim=True)
+    out = [token]
+    b = token.shape[0]
+    for _ in range(n_tokens):
+        pos = cache.get_seq_length()
+        positions = torch.full((b, 1), pos, dtype=torch.long, device=token.device)
+        logits = model(input_ids=token, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+        if each_step is not None:
+            each_step()
+    return torch.cat(out, dim=-1)
+
+
+def _feed(model, ids: torch.Tensor, cache: TrimCache, sizes: list[int],
+          each_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+    if each_chunk is None:
+        return prefill(model, ids, cache, chunk_sizes=sizes)
+    offset, logits = 0, None
+    for size in sizes:
+        logits = prefill(model, ids[:, offset : offset + size], cache)
+        offset += size
+        each_chunk()
+    return logits
+
+
+def _layer_entry_bytes(layer) -> int:
+    if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+        return 0
+    b, h, _, d = layer.keys.shape
+    return b * h * (d * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size())
+
+
+def kv_peak_layer_sum(cache: TrimCache) -> int:
+    """Sum over layers of each layer's own peak entries (`TrimLayer.peak`) times its entry size: the KV
+    memory bound an engine would have to reserve (layers peak at different moments)."""
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            n = layer.peak if isinstance(layer, TrimLayer) else layer.keys.shape[-2]
+            total += n * _layer_entry_bytes(layer)
+    return total
+
+
+# ---- one measurement ----------------------------------------------------------------------------
+def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig, length: int,
+                 repeat: int = 0, order: int = 0, return_cache: bool = False):
+    """Measure one (method, prompt) cell. Returns a raw row (and the cache when `return_cache`)."""
+    device = model_device(model)
+    n = ids.shape[-1]
+    row = {"method": spec.label, "length": length, "prompt_tokens": n, "repeat": repeat, "order": order}
+    try:
+        method = spec.build(n, config.compression_ratio)
+    except KvtrimError as err:
+        row.update(status="skipped", reason=str(err))
+        return (row, None) if return_cache else row
+    row["method_repr"] = method.describe()
+    sizes, schedule = prefill_schedule(method, n)
+    row["prefill_schedule"] = schedule
+    timer = EvictionTimer(device)
+    cache = timer.attach(TrimCache(timer.instrument(method), config=model.config))
+    ids = ids.to(device)
+
+    with PeakMemory(device, collect=config.collect_garbage) as mem_prefill:
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = _feed(model, ids, cache, sizes)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+    stats_prefill = cache.stats()
+    timer.phase = "decode"
+    with PeakMemory(device, collect=config.collect_garbage) as mem_decode:
+        _sync(device)
+        t0 = time.perf_counter()
+        generated = decode(model, cache, logits, config.new_tokens)
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+    stats_end = cache.stats()
+    check(timer.wrapped_layers() == len(stats_end.evicting_layers),
+          "eviction timer missed a layer created after the cache was built")
+    times = timer.totals()
+    timer.detach()
+    pre, dec = mem_prefill.reading, mem_decode.reading
+    row.update(
+        status="ok",
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens=config.new_tokens,
+        **times,
+        prefill_evictions=timer.evictions.get("prefill", 0),
+        decode_evictions=timer.evictions.get("decode", 0),
+        stored_bytes_prefill=stats_prefill.bytes_stored,
+        full_bytes_prefill=stats_prefill.bytes_full,
+        stored_bytes_end=stats_end.bytes_stored,
+        full_bytes_end=stats_end.bytes_full,
+        bookkeeping_bytes_end=stats_end.bytes_bookkeeping,
+        stored_per_layer_prefill=[min(stats_prefill.stored_per_layer), max(stats_prefill.stored_per_layer)],
+        peak_per_layer=[min(stats_end.peak_per_layer), max(stats_end.peak_per_layer)],
+        kv_peak_layer_sum_bytes=kv_peak_layer_sum(cache),
+        kv_live_peak_bytes=timer.live_peak_bytes,
+        mem_kind=pre.kind,
+        mem_peak_prefill_bytes=pre.peak_bytes,
+        # the decode block starts where the prefill left memory: shift its peak to the prefill's start
+        mem_peak_bytes=max(pre.peak_bytes, dec.start_bytes - pre.start_bytes + dec.peak_bytes),
+        first_tokens=generated[0, :8].tolist(),
+    )
+    return (row, cache) if return_cache else row
+
+
+@torch.no_grad()
+def trace_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig) -> dict:
+    """Stored KV bytes vs tokens seen: one point after each prompt chunk and each decode step."""
+    device = model_device(model)
+    n = ids.shape[-1]
+    out = {"method": spec.label, "prompt_tokens": n}
+    try:
+        method = spec.build(n, config.compression_ratio)
+    except KvtrimError as err:
+        return {**out, "status": "skipped", "reason": str(err)}
+    sizes, schedule = trace_schedule(method, n)
+    cache = TrimCache(method, config=model.config)
+    points: list[list[int]] = []
+
+    def record():
+        s = cache.stats()
+        points.append([s.tokens_seen, s.bytes_stored, s.bytes_full])
+
+    logits = _feed(model, ids.to(device), cache, sizes, each_chunk=record)
+    decode(model, cache, logits, config.trace_decode, each_step=record)
+    return {**out, "status": "ok", "method_repr": method.describe(), "schedule": schedule,
+            "columns": ["tokens_seen", "bytes_stored", "bytes_full"], "points": points}
+
+
+# ---- the whole run ------------------------------------------------------------------------------
+def environment(model, config: BenchConfig) -> dict:
+    import transformers
+
+    import kvtrim
+
+    device = model_device(model)
+    env = {
+        "kvtrim": kvtrim.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "model_class": type(model).__name__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["loadavg_start"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return env
+
+
+def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], None] = print,
+              model_info: dict | None = None) -> dict:
+    """Run the whole benchmark; returns `{"schema", "meta", "raw", "summary", "trace"}`."""
+    from kvtrim.bench.summary import summarize
+
+    config.validate()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    vocab = getattr(model.config, "vocab_size", None)
+    prompts = {}
+    for length in config.lengths:
+        n = fitted_length(model, length, config.new_tokens)
+        prompts[length] = prompt_ids(tokenizer, n, config.seed, vocab)
+    meta = {"config": config.as_dict(), "env": environment(model, config), "model": model_info or {}}
+    meta["prompt_tokens"] = {str(k): int(v.shape[-1]) for k, v in prompts.items()}
+    started = time.perf_counter()
+
+    if config.warmup:
+        short = min(prompts, key=lambda k: prompts[k].shape[-1])
+        warm = BenchConfig(**{**config.__dict__, "new_tokens": 2})
+        for spec in config.methods:
+            measure_cell(model, spec, prompts[short], warm, short)
+        progress(f"warm-up done ({time.perf_counter() - started:.0f} s)")
+
+    raw = []
+    total = config.repeats * len(config.lengths) * len(config.methods)
+    last_round = 0.0
+    meta["repeats_done"] = 0
+    for repeat in range(config.repeats):
+        elapsed = time.perf_counter() - started
+        if config.time_budget_s and repeat > 0 and elapsed + last_round > config.time_budget_s:
+            progress(f"time budget: stopping after {repeat} repeat(s)")
+            break
+        round_start = time.perf_counter()
+        for length in config.lengths:
+            k = repeat % len(config.methods)
+            order = config.methods[k:] + config.methods[:k]
+            for position, spec in enumerate(order):
+                row = measure_cell(model, spec, prompts[length], config, length, repeat, position)
+                raw.append(row)
+                if row["status"] == "ok":
+                    progress(
+                        f"[{len(raw)}/{total}] {spec.label} @ {row['prompt_tokens']}: prefill {row['prefill_s']:.2f} s "
+                        f"(evict {row['prefill_evict_s'] * 1000:.1f} ms), decode "
+                        f"{row['decode_tokens'] / row['decode_s']:.1f} tok/s, stored "
+                        f"{row['stored_bytes_prefill'] / 2**20:.1f} MiB"
+                    )
+                else:
+                    progress(f"[{len(raw)}/{total}] {spec.label} @ {length}: skipped ({row['reason']})")
+        last_round = time.perf_counter() - round_start
+        meta["repeats_done"] = repeat + 1
+
+    trace = []
+    out_of_time = config.time_budget_s and time.perf_counter() - started + last_round / 2 > config.time_budget_s
+    if out_of_time:
+        progress("time budget: no stored-bytes trace")
+    if config.trace_length and not out_of_time:
+        n = fitted_length(model, config.trace_length, config.trace_decode)
+        ids = prompt_ids(tokenizer, n, config.seed, vocab)
+        for spec in config.methods:
+            trace.append(trace_cell(model, spec, ids, config))
+        progress(f"stored-bytes trace done at {ids.shape[-1]} tokens")
+
+    meta["wall_s"] = time.perf_counter() - started
+    try:
+        meta["env"]["loadavg_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
+            "trace": trace}

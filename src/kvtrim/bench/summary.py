@@ -1,0 +1,141 @@
+"""From raw benchmark rows to the summary: medians over repeats and ratios against the full cache.
+
+Per raw row, derived first: `decode_tps = decode_tokens / decode_s`, `decode_step_s = decode_s /
+decode_tokens`, `evict_share_prefill = prefill_evict_s / prefill_s`, `evict_share_decode =
+decode_evict_s / decode_s`.
+
+Per (method, length): the median of each metric over the repeats, and each `*_vs_full` ratio as the
+median over repeats of the *paired* ratio (this repeat's method value / this repeat's full-cache value
+at the same length, measured in the same round): pairing cancels slow drifts of the machine.
+`stored_vs_ideal` is the relative distance of the stored bytes after prefill to the ideal
+`(1 - compression_ratio) * full` (0.0 = exact; -0.03 = 3 % fewer bytes than the ideal).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from typing import Any
+
+from kvtrim.methods.base import KvtrimError
+
+FULL = "full"
+
+#: metrics summarised by their median over repeats
+METRICS = (
+    "prefill_s", "prefill_evict_s", "prefill_score_s", "prefill_gather_s", "evict_share_prefill",
+    "decode_s", "decode_tps", "decode_step_s", "decode_evict_s", "evict_share_decode",
+    "prefill_evictions", "decode_evictions",
+    "stored_bytes_prefill", "full_bytes_prefill", "stored_bytes_end", "full_bytes_end",
+    "kv_peak_layer_sum_bytes", "kv_live_peak_bytes", "mem_peak_prefill_bytes", "mem_peak_bytes",
+)
+#: metric -> name of its paired ratio against the full cache
+RATIOS = {
+    "prefill_s": "prefill_vs_full",
+    "decode_tps": "decode_tps_vs_full",
+    "stored_bytes_prefill": "stored_vs_full",
+    "stored_bytes_end": "stored_end_vs_full",
+    "kv_live_peak_bytes": "kv_live_peak_vs_full",
+    "mem_peak_prefill_bytes": "mem_peak_prefill_vs_full",
+    "mem_peak_bytes": "mem_peak_vs_full",
+}
+
+
+def derive(row: dict) -> dict:
+    """The row with its derived per-repeat metrics added (rows that were skipped are returned as is)."""
+    if row.get("status") != "ok":
+        return dict(row)
+    out = dict(row)
+    out["decode_tps"] = row["decode_tokens"] / row["decode_s"] if row["decode_s"] > 0 else None
+    out["decode_step_s"] = row["decode_s"] / row["decode_tokens"]
+    out["evict_share_prefill"] = row["prefill_evict_s"] / row["prefill_s"] if row["prefill_s"] > 0 else None
+    out["evict_share_decode"] = row["decode_evict_s"] / row["decode_s"] if row["decode_s"] > 0 else None
+    return out
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(raw: list[dict], compression_ratio: float | None = None) -> list[dict]:
+    """One summary row per (method, length), in the order the methods and lengths first appear."""
+    rows = [derive(r) for r in raw]
+    keys: list[tuple[str, int]] = []
+    for r in rows:
+        if (r["method"], r["length"]) not in keys:
+            keys.append((r["method"], r["length"]))
+    full = {(r["length"], r["repeat"]): r for r in rows if r["method"] == FULL and r.get("status") == "ok"}
+    summary = []
+    for method, length in keys:
+        cell = [r for r in rows if r["method"] == method and r["length"] == length]
+        ok = [r for r in cell if r.get("status") == "ok"]
+        out: dict[str, Any] = {"method": method, "length": length, "repeats": len(ok)}
+        if not ok:
+            out.update(status="skipped", reason=cell[0].get("reason", ""))
+            summary.append(out)
+            continue
+        out["status"] = "ok"
+        out["prompt_tokens"] = ok[0]["prompt_tokens"]
+        out["method_repr"] = ok[0].get("method_repr")
+        out["prefill_schedule"] = ok[0].get("prefill_schedule")
+        out["mem_kind"] = ok[0].get("mem_kind")
+        # deterministic per cell (same prompt, same method): taken from the first repeat
+        out["peak_per_layer"] = ok[0].get("peak_per_layer")
+        out["stored_per_layer_prefill"] = ok[0].get("stored_per_layer_prefill")
+        for m in METRICS:
+            out[m] = _median([r.get(m) for r in ok])
+        for m, name in RATIOS.items():
+            pairs = []
+            for r in ok:
+                base = full.get((length, r["repeat"]))
+                if base is not None and r.get(m) is not None and base.get(m):
+                    pairs.append(r[m] / base[m])
+            out[name] = _median(pairs)
+        if compression_ratio is not None and out.get("full_bytes_prefill"):
+            ideal = (1 - compression_ratio) * out["full_bytes_prefill"]
+            out["stored_vs_ideal"] = out["stored_bytes_prefill"] / ideal - 1 if method != FULL else None
+        summary.append(out)
+    return summary
+
+
+# ---- files --------------------------------------------------------------------------------------
+def write_json(result: dict, path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def read_json(path: str | pathlib.Path) -> dict:
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise KvtrimError(f"cannot read benchmark results {path}: {err}") from None
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("kvtrim.bench/"):
+        raise KvtrimError(f"{path} is not a kvtrim bench result (no 'schema': 'kvtrim.bench/...')")
+    return data
+
+
+def validate_result(data: dict) -> list[str]:
+    """Problems with the layout of a result (empty list = fine). Used by tests and by `report`."""
+    problems = []
+    for key in ("schema", "meta", "raw", "summary", "trace"):
+        if key not in data:
+            problems.append(f"missing '{key}'")
+    for i, r in enumerate(data.get("raw", [])):
+        for key in ("method", "length", "repeat", "status"):
+            if key not in r:
+                problems.append(f"raw[{i}] lacks '{key}'")
+        if r.get("status") == "ok":
+            for key in ("prefill_s", "decode_s", "decode_tokens", "prefill_evict_s", "decode_evict_s",
+                        "stored_bytes_prefill", "stored_bytes_end", "mem_peak_bytes", "kv_live_peak_bytes"):
+                if not isinstance(r.get(key), (int, float)):
+                    problems.append(f"raw[{i}] ('{r.get('method')}' @ {r.get('length')}) lacks number '{key}'")
+    for i, s in enumerate(data.get("summary", [])):
+        if s.get("status") == "ok":
+            for key in METRICS:
+                if key not in s:
+                    problems.append(f"summary[{i}] lacks '{key}'")
+    return problems

@@ -1,0 +1,317 @@
+"""The benchmark's measurement plumbing, on tiny random models. No timing assertions: clocks are faked
+where time matters, and only bookkeeping (what is counted where, bytes, medians, schema) is checked."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvtrim.bench.memory import PeakMemory
+from kvtrim.bench.runner import BenchConfig, kv_peak_layer_sum, measure_cell, run_bench
+from kvtrim.bench.specs import MethodSpec, parse_methods, parse_spec
+from kvtrim.bench.summary import read_json, summarize, validate_result, write_json
+from kvtrim.bench.timing import EvictionTimer
+from kvtrim.cache import TrimCache
+from kvtrim.methods import KeyDiff, LagKV, StreamingLLM
+from kvtrim.methods.base import EvictionMethod, KvtrimError, span
+from kvtrim.prefill import prefill
+from conftest import tiny_model
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@dataclass
+class ClockedKeepLast(EvictionMethod):
+    """Keeps the last `budget` entries; each hook call advances the fake clock by `score_cost`, each
+    gather (through `gather_state`) by `gather_cost`."""
+
+    budget: int = 8
+    score_cost: float = 1.0
+    gather_cost: float = 0.25
+    clock: FakeClock | None = None
+
+    def on_update(self, layer, n_new):
+        self.clock.t += self.score_cost
+        n = layer.stored
+        return None if n <= self.budget else span(n - self.budget, n, layer.keys)
+
+    def gather_state(self, state, keep):
+        self.clock.t += self.gather_cost
+        return state
+
+
+def test_timer_counts_only_eviction_work_per_phase():
+    model = tiny_model("llama", layers=2)
+    clock = FakeClock()
+    # the model's own compute "costs" 100 per layer forward: none of it may show up as eviction time
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda *a: setattr(clock, "t", clock.t + 100.0))
+    timer = EvictionTimer("cpu", clock=clock)
+    method = ClockedKeepLast(budget=8, clock=clock)
+    cache = timer.attach(TrimCache(timer.instrument(method), config=model.config))
+    ids = torch.randint(0, 200, (1, 20))
+    with torch.no_grad():
+        logits = prefill(model, ids, cache, chunk_size=5)  # 4 forwards x 2 layers
+        timer.phase = "decode"
+        for i in range(3):
+            model(input_ids=logits.argmax(-1, keepdim=True), cache=cache, position_ids=torch.tensor([[20 + i]]))
+    t = timer.totals()
+    # prefill: 8 hook calls; evictions once the 8-entry budget overflows (forwards 2, 3, 4) in 2 layers
+    assert t["prefill_score_s"] == 8 * 1.0
+    assert t["prefill_gather_s"] == 6 * 0.25
+    assert t["prefill_evict_s"] == t["prefill_score_s"] + t["prefill_gather_s"]
+    assert t["decode_score_s"] == 6 * 1.0 and t["decode_gather_s"] == 6 * 0.25
+    assert timer.evictions == {"prefill": 6, "decode": 6}
+    assert timer.calls[("prefill", "score")] == 8 and timer.calls[("decode", "gather")] == 6
+    assert clock.t == 7 * 2 * 100.0 + t["prefill_evict_s"] + t["decode_evict_s"]
+    # the user's method object is untouched (only the benchmark's copy is wrapped)
+    assert "on_update" not in vars(method)
+
+
+def test_live_peak_follows_entries_held_at_once():
+    model = tiny_model("llama", layers=3)
+    timer = EvictionTimer("cpu")
+    cache = timer.attach(TrimCache(timer.instrument(StreamingLLM(budget=10, sink_size=2)), config=model.config))
+    with torch.no_grad():
+        prefill(model, torch.randint(0, 200, (1, 30)), cache)
+    per_entry = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+    # one-shot prefill, attend then evict: layer i holds 30 entries while layers < i already hold 10
+    assert timer.live_peak_bytes == (10 + 10 + 30) * per_entry
+    assert kv_peak_layer_sum(cache) == 3 * 30 * per_entry
+    assert cache.stats().bytes_stored == 3 * 10 * per_entry
+
+
+def test_stored_bytes_are_cache_stats():
+    model = tiny_model("qwen2", q_heads=6, kv_heads=2)
+    cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=6, collect_garbage=False)
+    spec = parse_spec("keydiff:block_size=16")
+    ids = torch.randint(0, 200, (1, 64))
+    row, cache = measure_cell(model, spec, ids, cfg, 64, return_cache=True)
+    stats = cache.stats()
+    assert row["status"] == "ok"
+    assert row["stored_bytes_end"] == stats.bytes_stored and row["full_bytes_end"] == stats.bytes_full
+    assert row["bookkeeping_bytes_end"] == stats.bytes_bookkeeping
+    assert row["kv_peak_layer_sum_bytes"] == kv_peak_layer_sum(cache)
+    # the prefill snapshot equals the stats of the same prefill done by hand
+    again = TrimCache(KeyDiff(budget=32, block_size=16), config=model.config)
+    with torch.no_grad():
+        prefill(model, ids, again)
+    assert row["stored_bytes_prefill"] == again.stats().bytes_stored
+    assert row["full_bytes_prefill"] == again.stats().bytes_full
+    assert row["prefill_evictions"] == 2 * 2  # blocks 3 and 4 overflow the 32-entry budget, in 2 layers
+    assert row["method_repr"] == KeyDiff(budget=32, block_size=16).describe()
+
+
+def _row(method, repeat, prefill_s, decode_s, stored, evict=0.0, length=100):
+    return {"method": method, "length": length, "prompt_tokens": length, "repeat": repeat, "status": "ok",
+            "prefill_s": prefill_s, "prefill_evict_s": evict, "prefill_score_s": evict, "prefill_gather_s": 0.0,
+            "decode_s": decode_s, "decode_tokens": 10, "decode_evict_s": 0.0, "prefill_evictions": 1,
+            "decode_evictions": 0, "stored_bytes_prefill": stored, "full_bytes_prefill": 1000,
+            "stored_bytes_end": stored, "full_bytes_end": 1000, "kv_peak_layer_sum_bytes": 1000,
+            "kv_live_peak_bytes": 1000, "mem_peak_prefill_bytes": 10, "mem_peak_bytes": 20}
+
+
+def test_summary_medians_and_paired_ratios():
+    raw = [
+        _row("full", 0, 2.0, 1.0, 1000), _row("m", 0, 3.0, 0.5, 250, evict=0.3),
+        _row("full", 1, 4.0, 2.0, 1000), _row("m", 1, 4.0, 1.0, 250, evict=0.2),
+        _row("full", 2, 10.0, 1.0, 1000), _row("m", 2, 5.0, 0.25, 250, evict=1.0),
+        {"method": "x", "length": 100, "repeat": 0, "status": "skipped", "reason": "too short"},
+    ]
+    s = {r["method"]: r for r in summarize(raw, compression_ratio=0.75)}
+    m = s["m"]
+    assert m["repeats"] == 3 and m["prefill_s"] == 4.0 and m["decode_s"] == 0.5
+    # paired ratios: 3/2, 4/4, 5/10 -> median 1.0 (the ratio of medians would be 4/4 too, but decode differs)
+    assert m["prefill_vs_full"] == 1.0
+    # decode tok/s per repeat: m 20, 10, 40; full 10, 5, 10 -> ratios 2, 2, 4 -> 2
+    assert m["decode_tps"] == 20.0 and m["decode_tps_vs_full"] == 2.0
+    # eviction share per row: 0.1, 0.05, 0.2 -> 0.1
+    assert m["evict_share_prefill"] == pytest.approx(0.1)
+    assert m["stored_vs_full"] == 0.25 and m["stored_vs_ideal"] == 0.0
+    assert s["full"]["prefill_vs_full"] == 1.0 and s["full"]["stored_vs_ideal"] is None
+    assert s["x"]["status"] == "skipped" and s["x"]["reason"] == "too short" and s["x"]["repeats"] == 0
+
+
+def test_summary_ratio_needs_the_same_repeat():
+    raw = [_row("full", 0, 2.0, 1.0, 1000), _row("m", 1, 3.0, 0.5, 250)]
+    m = {r["method"]: r for r in summarize(raw)}["m"]
+    assert m["prefill_vs_full"] is None and m["prefill_s"] == 3.0
+
+
+def test_specs_build_at_budget_or_as_given():
+    spec = parse_spec("lagkv:sink_size=4:lag_size=16")
+    method = spec.build(400, 0.5)
+    assert isinstance(method, LagKV) and method.mode == "reference" and method.sink_size == 4
+    fixed = parse_spec("keydiff:budget=64")
+    assert fixed.fixed_size and fixed.build(4000, 0.75).budget == 64
+    assert parse_spec("keydiff").build(400, 0.75).budget == 100
+    assert parse_spec("lagkv:skip_layers=0+1").build(400, 0.5).skip_layers == (0, 1)
+    specs = parse_methods("streaming,keydiff")
+    assert [s.label for s in specs] == ["full", "streaming", "keydiff"]
+    with pytest.raises(KvtrimError, match="unknown method"):
+        parse_spec("nope")
+    with pytest.raises(KvtrimError, match="has no parameter"):
+        parse_spec("keydiff:window=3")
+    with pytest.raises(KvtrimError, match="cannot read"):
+        parse_spec("keydiff:budget=many")
+    with pytest.raises(KvtrimError, match="listed twice"):
+        parse_methods("keydiff,keydiff")
+    with pytest.raises(KvtrimError, match="out of reach"):
+        parse_spec("lagkv").build(300, 0.75)
+
+
+def test_unreachable_cells_are_skipped_with_the_reason():
+    model = tiny_model("llama")
+    cfg = BenchConfig(methods=[], compression_ratio=0.75, new_tokens=2, collect_garbage=False)
+    row = measure_cell(model, MethodSpec("lagkv", "lagkv"), torch.randint(0, 200, (1, 40)), cfg, 40)
+    assert row["status"] == "skipped" and "does not compress 40 tokens" in row["reason"]
+
+
+def test_run_bench_result_schema_and_json_round_trip(tmp_path):
+    model = tiny_model("llama")
+    cfg = BenchConfig(methods=parse_methods("lagkv:lag_size=8:sink_size=2,keydiff:block_size=16"),
+                      lengths=[48, 96], compression_ratio=0.5, new_tokens=3, repeats=2, trace_length=64,
+                      trace_decode=4, warmup=False, collect_garbage=False)
+    result = run_bench(model, None, cfg, progress=lambda s: None)
+    assert validate_result(result) == []
+    assert result["schema"] == "kvtrim.bench/1"
+    assert len(result["raw"]) == 2 * 2 * 3  # repeats x lengths x methods (full added)
+    # interleaving: every round holds each method once, the order rotating
+    first = [r["method"] for r in result["raw"] if r["repeat"] == 0 and r["length"] == 48]
+    second = [r["method"] for r in result["raw"] if r["repeat"] == 1 and r["length"] == 48]
+    assert sorted(first) == sorted(second) and first != second and first[1:] == second[:-1]
+    assert {(s["method"], s["length"]) for s in result["summary"]} == {
+        (m, n) for m in ("full", "lagkv:lag_size=8:sink_size=2", "keydiff:block_size=16") for n in (48, 96)}
+    trace = {t["method"]: t for t in result["trace"]}
+    assert trace["keydiff:block_size=16"]["schedule"] == "blocks of 16"
+    assert trace["lagkv:lag_size=8:sink_size=2"]["schedule"] == "lagkv chunks"
+    points = trace["full"]["points"]
+    assert points[-1][0] == 64 + 4 and all(p[1] == p[2] for p in points)  # full: stored == full
+    entry = 2 * 2 * 16 * 4  # bytes of one entry of a layer: K and V, 2 KV heads, head_dim 16, float32
+    kd = trace["keydiff:block_size=16"]["points"][:4]  # after each prefill block: at most the budget (32)
+    assert [p[1] for p in kd] == [16 * entry * 2, 32 * entry * 2, 32 * entry * 2, 32 * entry * 2]
+    path = write_json(result, tmp_path / "b.json")
+    assert read_json(path)["raw"] == json.loads(json.dumps(result["raw"]))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": 1}')
+    with pytest.raises(KvtrimError, match="not a kvtrim bench result"):
+        read_json(bad)
+
+
+def test_peak_memory_sees_torch_allocations():
+    with PeakMemory("cpu") as mem:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    assert mem.reading.kind in ("rss-hwm", "rss-sampled")
+    if mem.reading.kind == "rss-hwm":  # the kernel's own high-water mark: exact up to page rounding
+        assert mem.reading.peak_bytes >= 60 * 2**20
+
+
+# ---- kvpress comparison: the pure parts ----------------------------------------------------------------
+def test_jaccard_and_per_head():
+    from kvtrim.bench.kvpress_compare import jaccard, jaccard_per_head
+
+    assert jaccard([1, 2, 3], [2, 3, 4]) == 0.5
+    assert jaccard([], []) == 1.0 and jaccard([1], []) == 0.0
+    assert jaccard_per_head([[[1, 2], [3]], [[0]]], [[[1, 2], [4]], [[0]]]) == [[1.0, 0.0], [1.0]]
+    with pytest.raises(KvtrimError, match="layer counts differ"):
+        jaccard_per_head([[[1]]], [])
+
+
+def test_compare_rows_from_hand_made_sides():
+    from kvtrim.bench.kvpress_compare import PAIR_BY_NAME, compare, markdown
+
+    prompts = [{"id": "s", "role": "selection", "length": 10, "ids": list(range(10))},
+               {"id": "p0", "role": "passkey", "length": 10, "ids": [1], "key": "42"},
+               {"id": "p1", "role": "passkey", "length": 10, "ids": [2], "key": "7"}]
+    pairs = [PAIR_BY_NAME["full"], PAIR_BY_NAME["streaming"]]
+    ours = {"kept": {"full@s": [[list(range(10))]], "streaming@s": [[[0, 1, 8, 9]]]},
+            "timings": [{"press": "full", "prompt": "s", "prefill_s": 2.0, "compress_s": 0.0},
+                        {"press": "streaming", "prompt": "s", "prefill_s": 2.2, "compress_s": 0.01},
+                        {"press": "streaming", "prompt": "s", "prefill_s": 2.6, "compress_s": 0.03}],
+            "answers": [{"press": "full", "prompt": "p0", "tokens": [4, 2]}, {"press": "full", "prompt": "p1", "tokens": [7]},
+                        {"press": "streaming", "prompt": "p0", "tokens": [4, 2]},
+                        {"press": "streaming", "prompt": "p1", "tokens": [1]}]}
+    theirs = {"kept": {"full@s": [[list(range(10))]], "streaming@s": [[[0, 1, 7, 8]]]},
+              "timings": [{"press": "full", "prompt": "s", "prefill_s": 3.0, "compress_s": 0.0},
+                          {"press": "streaming", "prompt": "s", "prefill_s": 3.3, "compress_s": 0.02}],
+              "answers": [{"press": "full", "prompt": "p0", "tokens": [4, 2]}, {"press": "full", "prompt": "p1", "tokens": [7]},
+                          {"press": "streaming", "prompt": "p0", "tokens": [9]},
+                          {"press": "streaming", "prompt": "p1", "tokens": [1]}]}
+    rows = {r["method"]: r for r in compare(prompts, pairs, ours, theirs, lambda ids: "".join(map(str, ids)))}
+    s = rows["streaming"]
+    assert s["jaccard_mean"] == 3 / 5 and s["heads_identical"] == 0.0
+    assert rows["full"]["jaccard_mean"] == 1.0 and rows["full"]["heads_identical"] == 1.0
+    assert s["kvtrim_prefill_s"] == pytest.approx(2.4) and s["kvtrim_compress_s"] == pytest.approx(0.02)
+    assert s["kvpress_prefill_s"] == 3.3
+    assert s["kvtrim_full_prefill_s"] == 2.0 and s["kvpress_full_prefill_s"] == 3.0
+    assert (s["passkey_kvtrim"], s["passkey_kvpress"], s["answers_identical"], s["passkey_trials"]) == (1, 0, 1, 2)
+    assert (rows["full"]["passkey_kvtrim"], rows["full"]["answers_identical"]) == (2, 2)
+    md = markdown({"meta": {"command": "kvtrim bench --vs-kvpress", "model": "m", "compression_ratio": 0.75, "repeats": 1,
+                            "threads": 2, "seed": 0, "new_tokens": 8,
+                            "kvtrim_env": {"kvtrim": "0", "transformers": "5", "torch": "2"},
+                            "kvpress_env": {"kvpress": "0.5.5", "transformers": "4"}}, "rows": list(rows.values())})
+    assert "| 10 | streaming (StreamingLLMPress(n_sink=4)) | 0.6000 (0.600) | 0 % |" in md
+
+
+def test_kvtrim_counterparts_are_the_documented_modes():
+    from kvtrim.bench.kvpress_compare import PAIR_BY_NAME
+
+    assert PAIR_BY_NAME["lagkv"].kvtrim_method(4096, 0.75) == LagKV(compression_ratio=0.75, sink_size=4, lag_size=128)
+    assert PAIR_BY_NAME["keydiff"].kvtrim_method(4096, 0.75) == KeyDiff(compression_ratio=0.75)
+    assert PAIR_BY_NAME["block_keydiff"].kvtrim_method(4096, 0.75) == KeyDiff(budget=1024, block_size=128)
+    snap = PAIR_BY_NAME["snapkv"].kvtrim_method(4096, 0.75)
+    assert (snap.window, snap.kernel, snap.pooling, snap.compression_ratio) == (64, 5, "avg", 0.75)
+    assert PAIR_BY_NAME["streaming"].kvtrim_method(4096, 0.75) == StreamingLLM(compression_ratio=0.75, sink_size=4)
+
+
+def test_kvpress_runner_recovers_kept_rows():
+    """The runner's key matching (the runner lives in the kvpress venv; this helper is plain torch)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kvpress_side.py"
+    spec = importlib.util.spec_from_file_location("kvpress_side", path)
+    side = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(side)  # imports kvpress only when a press is built
+    full = torch.randn(50, 8)
+    keep = torch.tensor([0, 3, 9, 31, 49])
+    assert side.match_rows(full, full[keep]) == [0, 3, 9, 31, 49]
+    with pytest.raises(RuntimeError, match="no exact match"):
+        side.match_rows(full, torch.randn(2, 8))
+
+
+# ---- report and CLI -----------------------------------------------------------------------------------
+def test_cli_writes_json_plots_and_report(tmp_path, capsys):
+    from kvtrim.bench.report import write_readme
+    from kvtrim.cli import main
+
+    out = tmp_path / "b"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--threads", "1", "--model", "arch:tiny-llama", "--methods",
+                   "keydiff:block_size=16,keydiff:budget=24:block_size=16", "--lengths", "48,96", "--compression-ratio", "0.5", "--repeats", "1", "--new-tokens", "3",
+                   "--trace-length", "64", "--trace-decode", "3", "--no-warmup", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    result = read_json(out / "bench.json")
+    assert validate_result(result) == [] and result["meta"]["command"].startswith("kvtrim ")
+    assert result["meta"]["model"]["weights"] == "random"
+    for name in ("prefill", "decode", "memory", "stored"):
+        assert (out / f"bench_{name}.png").stat().st_size > 1000
+    readme = write_readme(out, plots=False).read_text()
+    assert "| 48 | full |" in readme and "keydiff:budget=24:block_size=16" in readme
+    assert "KeyDiff block-wise prefill, fixed budget" in readme  # the flat-peak target is evaluated
+    assert "![bench_stored](bench_stored.png)" in readme
+    assert main(["bench", "--methods", "nope", "--out", str(out)]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
