@@ -74,8 +74,10 @@ class Pair:
 PAIRS = (
     Pair("full", {}, True, "both keep everything"),
     Pair("lagkv", {"n_sink": 4, "lag_size": 128}, True,
-         "same definition (kvtrim's global-budget mode is kvpress's LagKVPress); the per-partition ranks tie at "
-         "the budget boundary, where kvpress's topk picks any of the tied partitions and kvtrim the earliest"),
+         "same definition (kvtrim's global-budget mode is kvpress's LagKVPress), but ties are broken differently: "
+         "ranks tie across partitions at the budget boundary, and when the sinks plus the window alone exceed the "
+         "budget (short prompts) all of them tie at the top; kvpress's `topk` then picks any of the tied entries, "
+         "kvtrim the earliest"),
     Pair("keydiff", {}, True, "same definition (one-shot, ratio mode); scores in float32 on both sides"),
     Pair("block_keydiff", {"block_size": 128}, False,
          "not the same computation: kvpress's BlockPress replays the block selection on keys computed with full "

@@ -1,11 +1,12 @@
 """Markdown tables (for the README) regenerated from benchmark JSON files.
 
-    python -m kvtrim.bench.report benchmarks/bench          # rewrites benchmarks/bench/README.md + plots
+    python -m kvtrim.bench.report benchmarks/bench     # rewrites README.md, DETAILS.md and the plots there
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -118,6 +119,10 @@ def targets(result: dict) -> list[str]:
     return out
 
 
+def _load(values) -> str:
+    return "?" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
 def environment_line(result: dict) -> str:
     env, cfg = result["meta"]["env"], result["meta"]["config"]
     model = result["meta"].get("model", {})
@@ -125,7 +130,8 @@ def environment_line(result: dict) -> str:
     return (f"model `{model.get('name', cfg['model'])}` ({model.get('weights', 'pretrained')} weights), {env['dtype']}, "
             f"{env.get('attn_implementation')}, {device}, torch {env['torch']}, transformers {env['transformers']}; "
             f"compression ratio {cfg['compression_ratio']}, {cfg['new_tokens']} decoded tokens, "
-            f"{cfg['repeats']} repeat(s), medians; load average {env.get('loadavg_start')} → {env.get('loadavg_end')}; "
+            f"{cfg['repeats']} repeat(s), medians; load average {_load(env.get('loadavg_start'))} → "
+            f"{_load(env.get('loadavg_end'))}; "
             f"{env['date']}, {result['meta'].get('wall_s', 0) / 60:.1f} min")
 
 
@@ -139,16 +145,44 @@ def result_section(result: dict, name: str) -> str:
     return "\n".join(parts)
 
 
-def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots: bool = True) -> pathlib.Path:
-    """Rewrite `directory/README.md` (and, with `plots`, the plots) from every `*.json` bench result in it."""
-    from kvtrim.bench.plots import plot_all
+def headline_table(result: dict) -> str:
+    """Compact: one row per method, at the largest length (eviction share also at 4096 when measured)."""
+    lengths = sorted({r["length"] for r in result["summary"] if r.get("status") == "ok"})
+    if not lengths:
+        return ""
+    top = lengths[-1]
+    mid = 4096 if 4096 in lengths and 4096 != top else None
+    by = {(r["method"], r["length"]): r for r in result["summary"]}
+    methods = list(dict.fromkeys(r["method"] for r in result["summary"]))
+    top_tokens = next((r["prompt_tokens"] for r in result["summary"] if r["length"] == top and r.get("prompt_tokens")), top)
+    head = ["method"]
+    if mid:
+        head.append("eviction % of prefill @4096")
+    head += [f"eviction % of prefill @{top_tokens}", f"prefill × full @{top_tokens}", f"decode tok/s × full @{top_tokens}",
+             f"stored vs ideal @{top_tokens}", f"peak prefill memory × full @{top_tokens}"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for m in methods:
+        r = by.get((m, top), {})
+        if r.get("status") != "ok":
+            lines.append(f"| {m} | " + " | ".join(["–"] * (len(head) - 2)) + f" | skipped: {r.get('reason', '')} |")
+            continue
+        cells = [f"`{m}`"]
+        if mid:
+            rm = by.get((m, mid), {})
+            cells.append(_f(rm.get("evict_share_prefill"), ".2f", 100) + " %" if rm.get("status") == "ok" else "–")
+        ideal = r.get("stored_vs_ideal")
+        cells += [_f(r["evict_share_prefill"], ".2f", 100) + " %", _f(r["prefill_vs_full"], ".2f"),
+                  _f(r["decode_tps_vs_full"], ".2f"), "–" if ideal is None else f"{ideal * 100:+.1f} %",
+                  _f(r.get("mem_peak_prefill_vs_full"), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
-    directory = pathlib.Path(directory)
-    files = sorted(p for p in directory.glob("*.json") if not p.name.startswith("kvpress"))
-    if not files:
-        raise KvtrimError(f"no benchmark JSON in {directory}")
-    sections = []
-    for path in files:
+
+def _results(directory: pathlib.Path) -> list[tuple[pathlib.Path, dict]]:
+    out = []
+    for path in sorted(directory.glob("*.json")):
+        if path.name.startswith("kvpress"):
+            continue
         try:
             result = read_json(path)
         except KvtrimError:
@@ -156,20 +190,45 @@ def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots:
         problems = validate_result(result)
         if problems:
             raise KvtrimError(f"{path}: {problems[0]}")
-        if plots:
-            plot_all(result, directory, prefix=path.stem)
-        images = "\n".join(f"![{p.stem}]({p.name})" for p in sorted(directory.glob(f"{path.stem}_*.png")))
-        sections.append(result_section(result, path.stem) + "\n\n" + images)
-    compare = directory / "kvpress_compare.md"
-    text = [intro or _INTRO, *sections]
-    if compare.exists():
-        text.append(compare.read_text())
-    out = directory / "README.md"
-    out.write_text("\n\n".join(text).rstrip() + "\n")
+        out.append((path, result))
     return out
 
 
-_INTRO = """# kvtrim bench: speed and memory
+def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots: bool = True) -> pathlib.Path:
+    """From every `*.json` bench result in `directory`: `DETAILS.md` (every table, the plots; with `plots`
+    the PNGs are redrawn) and the compact `README.md` (headline tables, targets, the kvpress comparison),
+    which `benchmarks/update_readme.py` copies into the project README."""
+    from kvtrim.bench.plots import plot_all
+
+    directory = pathlib.Path(directory)
+    results = _results(directory)
+    if not results:
+        raise KvtrimError(f"no benchmark JSON in {directory}")
+    details, compact = [intro or _INTRO], ["### Speed and memory (`kvtrim bench`)", ""]
+    for path, result in results:
+        if plots:
+            plot_all(result, directory, prefix=path.stem)
+        images = "\n".join(f"![{p.stem}]({p.name})" for p in sorted(directory.glob(f"{path.stem}_*.png")))
+        details.append(result_section(result, path.stem) + "\n\n" + images)
+        cmd = result["meta"].get("command", "")
+        compact += [f"**{path.stem}** — `{cmd}`", "", environment_line(result), "", headline_table(result), ""]
+        goals = targets(result)
+        if goals:
+            compact += [*goals, ""]
+    where = os.path.relpath(directory) if not os.path.relpath(directory).startswith("..") else directory.as_posix()
+    compact.append(f"All tables, decode-time costs and plots: `{where}/DETAILS.md`; raw numbers: `{where}/*.json`.")
+    compare = directory / "kvpress_compare.md"
+    if compare.exists():
+        text = compare.read_text()
+        details.append(text)
+        compact += ["", text.replace("## Side by side with kvpress", "### Side by side with kvpress")]
+    (directory / "DETAILS.md").write_text("\n\n".join(details).rstrip() + "\n")
+    out = directory / "README.md"
+    out.write_text("\n".join(compact).rstrip() + "\n")
+    return out
+
+
+_INTRO = """# kvtrim bench: speed and memory (details)
 
 Generated by `python -m kvtrim.bench.report benchmarks/bench` from the JSON files in this folder
 (each made by the `kvtrim bench` command shown above its table). Columns:
