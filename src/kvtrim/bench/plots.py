@@ -28,6 +28,14 @@ def _series(summary: list[dict], key: str) -> dict[str, tuple[list[int], list[fl
     return out
 
 
+def _length_ticks(plt, ax) -> None:
+    """Plain numbers at the measured lengths only (no log-scale minor labels)."""
+    ticker = plt.matplotlib.ticker
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+
+
 def _style(method: str) -> dict:
     return {"color": "black", "linestyle": "--", "linewidth": 2} if method == "full" else {"marker": "o"}
 
@@ -56,7 +64,8 @@ def plot_prefill(result: dict, path: pathlib.Path) -> pathlib.Path:
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xticks(sorted({x for xs, _ in _series(summary, "prefill_s").values() for x in xs}))
-        ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        _length_ticks(plt, ax)
+    a.text(a.get_xlim()[0], 3, " 3 %", fontsize=7, va="bottom", color="grey")
     b.legend(fontsize=8)
     fig.suptitle(_title(result), fontsize=10)
     fig.tight_layout()
@@ -74,7 +83,7 @@ def plot_decode(result: dict, path: pathlib.Path) -> pathlib.Path:
     ax.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens / s",
            title=f"Decode speed ({result['meta']['config'].get('new_tokens')} tokens after the prompt)")
     ax.set_xticks(sorted({x for xs, _ in _series(summary, "decode_tps").values() for x in xs}))
-    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    _length_ticks(plt, ax)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(_title(result), fontsize=10)
