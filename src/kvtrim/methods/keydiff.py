@@ -131,7 +131,8 @@ class KeyDiff(EvictionMethod):
             check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
             check(
                 self.sink_size + self.recent_size <= self.budget,
-                f"sink_size + recent_size ({self.sink_size} + {self.recent_size}) must not exceed budget ({self.budget})",
+                f"sink_size + recent_size ({self.sink_size} + {self.recent_size}) must not exceed "
+                f"budget ({self.budget})",
             )
         else:
             check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
