@@ -40,6 +40,13 @@ from kvtrim.methods.base import EvictionMethod, check, span
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
+def _channel_std(x: torch.Tensor) -> torch.Tensor:
+    """Unbiased std over the last dim (what `torch.std` computes), written out as two passes: on CPU,
+    `torch.std` over a short last dim (head_dim 64) is about 10x slower than this (torch 2.13)."""
+    centered = x - x.mean(dim=-1, keepdim=True)
+    return (centered.square().sum(dim=-1) / (x.shape[-1] - 1)).sqrt()
+
+
 def lag_relative_scores(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -63,7 +70,7 @@ def lag_relative_scores(
         lo = ref.amin(dim=-2, keepdim=True)
         hi = ref.amax(dim=-2, keepdim=True)
         normed = (x[:, :, :-1] - lo) / (hi - lo).clamp_min(eps)
-        return normed.std(dim=-1).softmax(dim=-1)  # unbiased std over channels, as torch.std defaults
+        return _channel_std(normed).softmax(dim=-1)
 
     scores = component(keys)
     if value_weight:
