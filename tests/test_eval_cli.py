@@ -69,3 +69,9 @@ def test_presets_resolve():
         assert cfg["tasks"] and cfg["lengths"] and cfg["methods"]
     quick = _resolve(parser.parse_args(["eval", "--preset", "quick"]))
     assert quick["model"] == "smollm2-135m" and any(m.startswith("lagkv") for m in quick["methods"])
+
+
+def test_lengths_accept_k_suffix():
+    from kvtrim.eval.cli import _ints
+
+    assert _ints("1024,4k,16K") == [1024, 4096, 16384]

@@ -22,8 +22,9 @@ def _floats(text: str) -> list[float]:
 
 
 def _ints(text: str) -> list[int]:
+    """`1024,4k,16k` -> [1024, 4096, 16384] (k = 1024, as RULER's 4k / 16k)."""
     try:
-        return [int(x.lower().replace("k", "000")) if x.lower().endswith("k") else int(x)
+        return [int(x.strip()[:-1]) * 1024 if x.strip().lower().endswith("k") else int(x)
                 for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
@@ -57,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=_ints, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
     p.add_argument("--depths", type=_floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
     p.add_argument("--samples", type=int, help="samples per task and length (per depth for passkey / niah; default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the task generators (default 0)")
     p.add_argument("--query-aware", action="store_true", default=None,
                    help="compress the question with the context (default: query-agnostic, the question comes after)")
     p.add_argument("--max-new-tokens", type=int, help="cap on every task's own max_new_tokens")
@@ -69,7 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", help="float32 (default), bfloat16, float16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="output folder (default: eval_out/<preset or 'run'>)")
+    p.add_argument("--out", help="output folder (default: runs/eval/<preset or custom>)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
     p.add_argument("--write-tasks", metavar="F.jsonl", help="write the generated samples to a task file and exit")
@@ -95,6 +96,8 @@ def _resolve(args) -> dict:
         "max_new_tokens": pick("max_new_tokens", None),
         "dtype": pick("dtype", "float32"),
         "query_aware": bool(pick("query_aware", False)),
+        # per-task lengths of a preset; --lengths given explicitly applies to every task
+        "task_lengths": preset.get("task_lengths", {}) if args.lengths is None else {},
     }
     if args.methods is not None:
         cfg["methods"] = args.methods
@@ -104,7 +107,7 @@ def _resolve(args) -> dict:
         cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS if name not in skip]
     if cfg["tasks"] is None and not args.task_file:
         cfg["tasks"] = ["niah_single_1", "niah_single_2", "vt", "passkey"]
-    cfg["out"] = args.out or os.path.join("eval_out", args.preset or "run")
+    cfg["out"] = args.out or os.path.join("runs", "eval", args.preset or "custom")
     return cfg
 
 
@@ -151,18 +154,19 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int):
     if args.task_file:
         return read_task_file(args.task_file)
     if context_limit:
-        too_long = [L for L in cfg["lengths"] if L > context_limit]
+        every = set(cfg["lengths"]).union(*cfg["task_lengths"].values())
+        too_long = sorted(L for L in every if L > context_limit)
         check(not too_long, f"length {', '.join(map(str, too_long))} is beyond the model's context of {context_limit} tokens")
     fmt = PromptFormat(tokenizer, chat=not args.raw)
     samples = []
     for task in cfg["tasks"]:
-        for length in cfg["lengths"]:
+        for length in cfg["task_lengths"].get(task, cfg["lengths"]):
             depths = tuple(cfg["depths"]) if cfg["depths"] else None
             samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths)
     return samples
 
 
-def _header(cfg: dict, args, elapsed: float | None, n_samples: int) -> str:
+def _header(cfg: dict, args, elapsed: float | None, n_samples: int, cpu: float | None = None) -> str:
     lines = [
         f"# kvtrim eval: {args.preset or 'custom sweep'}",
         "",
@@ -174,8 +178,15 @@ def _header(cfg: dict, args, elapsed: float | None, n_samples: int) -> str:
         f"- command: `kvtrim eval {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ''}`".replace("  ", " "),
     ]
     if elapsed is not None:
-        lines.append(f"- wall time of this invocation: {elapsed / 60:.1f} min")
+        lines.append(f"- wall time of this invocation: {elapsed / 60:.1f} min"
+                     + (f" (process CPU time {cpu / 60:.1f} min, {torch_threads()} threads)" if cpu is not None else ""))
     return "\n".join(lines)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def cmd_eval(args) -> int:
@@ -207,7 +218,7 @@ def cmd_eval(args) -> int:
 
     parse_dtype(cfg["dtype"])
     torch.manual_seed(args.seed)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
     settings = RunSettings(
         model=cfg["model"], dtype=cfg["dtype"], chat=not args.raw, query_aware=cfg["query_aware"],
@@ -217,8 +228,8 @@ def cmd_eval(args) -> int:
     )
     runner = Runner(model, tok, settings, out, progress=not args.quiet)
     rows = runner.run(plan(samples, cfg["specs"], cfg["ratios"]))
-    elapsed = time.perf_counter() - start
-    files = write_report(rows, out, _header(cfg, args, elapsed, len(samples)), not args.no_plots)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    files = write_report(rows, out, _header(cfg, args, elapsed, len(samples), cpu), not args.no_plots)
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"
           + "".join(f", {p}" for p in files["plots"]))
     return 0

@@ -1,8 +1,8 @@
 """Named sweeps for `kvtrim eval --preset NAME`; explicit flags override any preset value.
 
 * `quick`: the README's main job on the default model (SmolLM2-135M-Instruct, CPU). Three RULER tasks
-  that a 135M model can do at all (niah_single_1/2, vt) and a NIAH depth grid (10/50/90%), at 1k and 2k
-  tokens, one sample per cell, every registered method at compression ratios 0.5 / 0.75 / 0.875 (each
+  that a 135M model can do at all (niah_single_1/2, vt) at 2k tokens and a NIAH grid (depths 10/50/90%
+  x 1k/2k tokens), one sample per cell, every registered method at compression ratios 0.5 / 0.75 / 0.875 (each
   in its at-budget form), answers capped at 24 new
   tokens (enough for every answer of these tasks; RULER's own caps are 128/30; decoding also stops as
   soon as the answer holds every reference). Sized to finish in under 15 minutes on 2 CPU cores thanks
@@ -25,7 +25,8 @@ PRESETS: dict[str, dict] = {
     "quick": {
         "model": "smollm2-135m",
         "tasks": ["niah_single_1", "niah_single_2", "vt", "niah"],
-        "lengths": [1024, 2048],
+        "lengths": [2048],
+        "task_lengths": {"niah": [1024, 2048]},  # the depth x length grid
         "depths": [0.1, 0.5, 0.9],
         "samples": 1,
         "ratios": [0.5, 0.75, 0.875],
@@ -33,9 +34,10 @@ PRESETS: dict[str, dict] = {
         # LazyEviction evicts every `window` (128) decode steps of a long generation and keeps the prompt
         # at prefill: within a <= 24-token answer it never evicts, so it would only repeat the full cache
         "exclude": ["lazyeviction"],
-        # L = 32: at 1k tokens L >= 64 cannot reach 0.875 (sinks + window alone keep more); the paper's
-        # L = 128 at 16k is the same fraction of the context as L = 16 at 2k
-        "method_params": {"lagkv": "lag_size=32"},
+        # L = 64 (the official README's example): L = 128 cannot reach 0.75 at 1k tokens (sinks + window
+        # alone keep more); L = 32 drops digits of 7-digit needles (r * L close to the answer length, as
+        # the paper warns). At 1k tokens 0.875 is out of reach for L = 64 too: reported as "n/a".
+        "method_params": {"lagkv": "lag_size=64"},
         "max_new_tokens": 24,
         "compression": "at-budget",
     },
