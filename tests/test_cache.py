@@ -223,3 +223,40 @@ def test_crop_is_refused():
     cache.update(keys, keys, 0)
     with pytest.raises(kvtrim.KvtrimError, match="cannot be cropped"):
         cache.crop(-2)
+
+
+# ---- layers of different lengths, missing attention hand-off --------------------------------------------
+def test_fit_mask_keeps_stored_visible_and_the_causal_block():
+    from kvtrim.attention import fit_mask
+
+    q = 3
+    causal = torch.ones(q, q, dtype=torch.bool).tril()
+    mask = torch.cat([torch.ones(q, 5, dtype=torch.bool), causal], dim=-1)[None, None]
+    fitted = fit_mask(mask, 9 + q)
+    assert fitted.shape == (1, 1, q, 12)
+    assert fitted[..., :9].all() and torch.equal(fitted[0, 0, :, 9:], causal)
+    assert fit_mask(mask, 8) is mask
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_skip_layers_with_chunked_prefill_and_decoding(impl):
+    model = kvtrim.enable(tiny_model("llama", attn_implementation=impl))
+    ids = prompt(120)
+    method = kvtrim.LagKV(sink_size=4, lag_size=16, keep_ratio=0.25, skip_layers=(1,))
+    cache = kvtrim.TrimCache(method, config=model.config)
+    run(model, ids, cache, new=30, prefill_chunk_size=50)
+    seen = cache.get_seq_length()
+    assert cache.stats().stored_per_layer == [lagkv_stored_length(seen, 4, 16, 0.25), seen]
+
+
+def test_sliding_model_without_config_is_refused_by_kvtrim_attention():
+    model = kvtrim.enable(tiny_gemma3())
+    with pytest.raises(kvtrim.KvtrimError, match="sliding-window layers"):
+        run(model, prompt(40), kvtrim.TrimCache(LAG), new=2)
+
+
+def test_attention_method_on_a_stock_model_fails_within_the_first_forward():
+    model = tiny_model("llama")  # stock SDPA, kvtrim attention not enabled
+    with pytest.raises(kvtrim.KvtrimError, match="kvtrim.enable"):
+        with torch.no_grad():
+            model(prompt(40), cache=kvtrim.TrimCache(kvtrim.METHODS["snapkv"](budget=16, window=4)))

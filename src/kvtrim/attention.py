@@ -77,13 +77,39 @@ def attend_with_probabilities(
     return out.transpose(1, 2).contiguous(), probs
 
 
-def _pending(module) -> TrimLayer | None:
+def _pending(module, kwargs: dict) -> TrimLayer | None:
+    """The evicting layer this attention call belongs to (None for other caches / layers)."""
     idx = getattr(module, "layer_idx", None)
-    return None if idx is None else take_pending_layer(idx)
+    layer = None if idx is None else take_pending_layer(idx)
+    if layer is not None and kwargs.get("sliding_window") is not None:
+        raise KvtrimError(
+            "this model has sliding-window layers: build the cache with TrimCache(method, config=model.config) "
+            "so that they are left alone"
+        )
+    return layer
 
 
-def _wants_probs(layer: TrimLayer, query: torch.Tensor) -> bool:
-    return layer.method.needs_attention and query.shape[2] == 1
+def _wants_probs(layer: TrimLayer | None, query: torch.Tensor) -> bool:
+    return layer is not None and layer.awaiting_attention and layer.method.needs_attention and query.shape[2] == 1
+
+
+def _hand_over(layer: TrimLayer | None, query: torch.Tensor, probs: torch.Tensor | None, scale: float) -> None:
+    if layer is not None and layer.awaiting_attention:
+        layer.after_attention(query, probs, scale)
+
+
+def fit_mask(mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
+    """A mask built for another layer's stored length, refitted to `kv_length` entries.
+
+    `transformers` builds one mask per forward, sized from the first full-attention layer. Layers that
+    hold a different number of entries (LagKV `skip_layers`) need the same pattern at their own length:
+    every stored entry visible (padding is refused by `TrimCache`), then the new tokens' causal block.
+    """
+    if mask is None or mask.shape[-1] == kv_length:
+        return mask
+    q = mask.shape[-2]
+    stored = mask[..., :1].expand(*mask.shape[:-1], kv_length - q)
+    return torch.cat([stored, mask[..., -q:]], dim=-1)
 
 
 # ---- the registered functions --------------------------------------------------------------------
@@ -99,20 +125,20 @@ def kvtrim_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """SDPA, plus the hand-off to a waiting `TrimLayer` (see the module docstring)."""
-    layer = _pending(module)
-    if layer is None or not _wants_probs(layer, query):
+    layer = _pending(module, kwargs)
+    attention_mask = fit_mask(attention_mask, key.shape[-2])
+    if not _wants_probs(layer, query):
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-        if layer is not None:
-            layer.after_attention(query, None, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        _hand_over(layer, query, None, scaling if scaling is not None else query.shape[-1] ** -0.5)
         return out, None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     unsupported = [k for k in ("position_bias", "s_aux", "sinks") if kwargs.get(k) is not None]
     check(not unsupported, f"kvtrim attention cannot return probabilities with {', '.join(unsupported)} yet")
     check(dropout == 0.0, "kvtrim attention with attention-based eviction runs in eval mode only (dropout > 0)")
     out, probs = attend_with_probabilities(query, key, value, attention_mask, scale, kwargs.get("softcap"))
-    layer.after_attention(query, probs, scale)
+    _hand_over(layer, query, probs, scale)
     return out, None
 
 
@@ -142,11 +168,11 @@ def kvtrim_eager_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's eager attention, plus the hand-off of its own weights to a waiting `TrimLayer`."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = _pending(module, kwargs)
+    attention_mask = fit_mask(attention_mask, key.shape[-2])
     out, weights = _model_eager(module)(module, query, key, value, attention_mask, scaling=scale, dropout=dropout,
                                         **kwargs)
-    layer = _pending(module)
-    if layer is not None:
-        layer.after_attention(query, weights if _wants_probs(layer, query) else None, scale)
+    _hand_over(layer, query, weights if _wants_probs(layer, query) else None, scale)
     return out, weights
 
 

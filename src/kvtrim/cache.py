@@ -25,8 +25,8 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvtrim.methods.base import EvictionMethod, KvtrimError
 from kvtrim.methods.full import FullCache
 
-# The layer whose attention is about to run and whose method waits for queries / probabilities.
-# Set by `TrimCache.update`, taken by kvtrim's attention function (`kvtrim.attention`).
+# The layer whose attention is about to run. Set by `TrimLayer.update`, taken by kvtrim's attention
+# function (`kvtrim.attention`), which hands it the queries / probabilities when its method waits for them.
 _PENDING_LAYER: ContextVar[TrimLayer | None] = ContextVar("kvtrim_pending_layer", default=None)
 
 
@@ -80,10 +80,11 @@ class TrimLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, method: EvictionMethod, layer_idx: int):
+    def __init__(self, method: EvictionMethod, layer_idx: int, owner: object | None = None):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
+        self.owner = owner  # the TrimCache holding this layer
         self.positions: torch.Tensor | None = None
         self.seen = 0
         self.peak = 0
@@ -111,7 +112,12 @@ class TrimLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._awaiting_attention:
+        previous = _PENDING_LAYER.get()
+        unanswered = self._awaiting_attention or (
+            previous is not None and previous is not self and previous._awaiting_attention
+            and previous.owner is not None and previous.owner is self.owner
+        )
+        if unanswered:  # the previous layer's attention never handed over its queries
             raise KvtrimError(
                 f"{type(self.method).__name__} needs kvtrim's attention function: call kvtrim.enable(model) "
                 "or load the model with kvtrim.load_model()"
@@ -127,10 +133,14 @@ class TrimLayer(DynamicLayer):
         full_keys, full_values = self.keys, self.values
 
         self._evict(self.method.on_update(self, q))
-        if self.method.needs_queries or self.method.needs_attention:
-            self._awaiting_attention = True
-            _PENDING_LAYER.set(self)
+        self._awaiting_attention = self.method.needs_queries or self.method.needs_attention
+        _PENDING_LAYER.set(self)
         return full_keys, full_values
+
+    @property
+    def awaiting_attention(self) -> bool:
+        """True between `update` and `after_attention` for methods that need queries or probabilities."""
+        return self._awaiting_attention
 
     def after_attention(
         self, queries: torch.Tensor | None, attention: torch.Tensor | None, scaling: float | None = None
@@ -249,7 +259,7 @@ class TrimCache(Cache):
             types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             for idx, (kind, kwargs) in enumerate(zip(types, per_layer_kwargs)):
                 if kind == "full_attention":
-                    layers.append(TrimLayer(self.method, idx))
+                    layers.append(TrimLayer(self.method, idx, owner=self))
                 elif kind in ("sliding_attention", "chunked_attention"):
                     layers.append(DynamicSlidingWindowLayer(**kwargs))
                 else:
@@ -263,7 +273,7 @@ class TrimCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(TrimLayer(self.method, len(self.layers)))
+            self.layers.append(TrimLayer(self.method, len(self.layers), owner=self))
         layer = self.layers[layer_idx]
         if not isinstance(layer, TrimLayer):
             return layer.update(key_states, value_states, *args, **kwargs)

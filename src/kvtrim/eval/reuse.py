@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtrim.attention import is_enabled
 from kvtrim.cache import TrimCache, TrimLayer, take_pending_layer
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.methods.full import FullCache
@@ -80,6 +81,7 @@ def shared_prefill(model, input_ids: torch.Tensor, capture_queries: bool) -> Sha
 
     Queries are recorded only when the model runs kvtrim's attention function; `has_queries` says
     whether every evicting layer got them."""
+    capture_queries = capture_queries and is_enabled(model)  # only kvtrim's attention hands queries over
     method = QueryRecorder() if capture_queries else FullCache()
     cache = TrimCache(method, config=model.config)
     logits = prefill(model, input_ids, cache, chunk_size=input_ids.shape[-1])
