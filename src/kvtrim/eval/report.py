@@ -62,13 +62,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append(rec)
     # averages over tasks
     by_setting: dict[tuple, list[dict]] = defaultdict(list)
+    tasks_at: dict[int, set] = defaultdict(set)  # every task evaluated at a length, by any method
     for rec in out:
         by_setting[(rec["method"], rec["compression_ratio"], rec["length"])].append(rec)
+        tasks_at[rec["length"]].add(rec["task"])
     for (method, ratio, length), recs in list(by_setting.items()):
         done = [r for r in recs if r["n"]]
         avg = {"method": method, "compression_ratio": ratio, "length": length, "task": "average",
                "n": sum(r["n"] for r in recs), "skipped": sum(r["skipped"] for r in recs)}
-        if done and len(done) == len(recs):
+        if done and {r["task"] for r in done} == tasks_at[length]:  # an average over every task, or none
             avg.update(score=mean(r["score"] for r in done),
                        achieved_compression=mean(r["achieved_compression"] for r in done),
                        final_compression=mean(r["final_compression"] for r in done),
