@@ -166,7 +166,38 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int):
     return samples
 
 
-def _header(cfg: dict, args, elapsed: float | None, n_samples: int, cpu: float | None = None) -> str:
+INVOCATIONS = "invocations.jsonl"
+
+
+def _log_invocation(out: str, wall: float, cpu: float, rows_run: int) -> None:
+    """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several)."""
+    import json
+
+    import torch
+
+    record = {"command": "kvtrim eval " + " ".join(sys.argv[2:]), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+              "torch_threads": torch.get_num_threads(), "rows_run": rows_run,
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(os.path.join(out, INVOCATIONS), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _timing_lines(out: str) -> list[str]:
+    import json
+
+    path = os.path.join(out, INVOCATIONS)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    lines = []
+    for r in runs:
+        lines.append(f"- `{r['command']}`: {r['rows_run']} rows in {r['wall_s'] / 60:.1f} min wall "
+                     f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}")
+    return lines
+
+
+def _header(cfg: dict, args, out: str, n_samples: int) -> str:
     lines = [
         f"# kvtrim eval: {args.preset or 'custom sweep'}",
         "",
@@ -175,18 +206,11 @@ def _header(cfg: dict, args, elapsed: float | None, n_samples: int, cpu: float |
         f"{'query-aware (question compressed with the context)' if cfg['query_aware'] else 'query-agnostic (context compressed, then question, greedy answer)'}",
         f"- methods configured per ratio by `{cfg['compression']}`; samples: {n_samples}; seed {cfg['seed']}"
         + (f"; answers capped at {cfg['max_new_tokens']} new tokens" if cfg["max_new_tokens"] else ""),
-        f"- command: `kvtrim eval {' '.join(sys.argv[2:]) if len(sys.argv) > 2 else ''}`".replace("  ", " "),
     ]
-    if elapsed is not None:
-        lines.append(f"- wall time of this invocation: {elapsed / 60:.1f} min"
-                     + (f" (process CPU time {cpu / 60:.1f} min, {torch_threads()} threads)" if cpu is not None else ""))
+    timing = _timing_lines(out)
+    if timing:
+        lines += ["- invocations that produced these results:", *["  " + t for t in timing]]
     return "\n".join(lines)
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def cmd_eval(args) -> int:
@@ -201,7 +225,8 @@ def cmd_eval(args) -> int:
     if args.report_only:
         rows = load_rows(out)
         check(bool(rows), f"no results in {out}/results.jsonl")
-        files = write_report(rows, out, _header(cfg, args, None, len({r['sample_id'] for r in rows})), not args.no_plots)
+        files = write_report(rows, out, _header(cfg, args, out, len({r["sample_id"] for r in rows})), not args.no_plots,
+                             method_order=[s.label for s in cfg["specs"]])
         print(f"wrote {files['markdown']}, {files['csv']}" + "".join(f", {p}" for p in files["plots"]))
         return 0
 
@@ -227,9 +252,12 @@ def cmd_eval(args) -> int:
         stop_when_answered=not args.full_answers,
     )
     runner = Runner(model, tok, settings, out, progress=not args.quiet)
-    rows = runner.run(plan(samples, cfg["specs"], cfg["ratios"]))
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    files = write_report(rows, out, _header(cfg, args, elapsed, len(samples), cpu), not args.no_plots)
+    jobs = plan(samples, cfg["specs"], cfg["ratios"])
+    before = len(load_rows(out)) if os.path.exists(out) else 0
+    rows = runner.run(jobs)
+    _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, len(rows) - before)
+    files = write_report(rows, out, _header(cfg, args, out, len(samples)), not args.no_plots,
+                         method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"
           + "".join(f", {p}" for p in files["plots"]))
     return 0

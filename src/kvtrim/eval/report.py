@@ -27,12 +27,22 @@ def _key_order(rows: list[dict]) -> tuple[list[str], list[str], list[int]]:
     return methods, tasks, lengths
 
 
+def _task_order(names) -> list[str]:
+    """Registry order (RULER's tasks, then passkey / niah), then any others (task files) as they come."""
+    from kvtrim.eval.tasks import TASKS
+
+    seen = [t for t in dict.fromkeys(names) if t != "average"]
+    return [t for t in TASKS if t in seen] + [t for t in seen if t not in TASKS]
+
+
 def scored(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "score" in r]
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """One record per (method, compression_ratio, length, task) plus per (method, ratio, length) average."""
+def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[dict]:
+    """One record per (method, compression_ratio, length, task) plus per (method, ratio, length) average.
+
+    `method_order`: the order of methods in tables and legends (default: first appearance in `rows`)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     skipped: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -40,6 +50,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         (groups if "score" in r else skipped)[key].append(r)
     out = []
     methods, tasks, _ = _key_order(rows)  # keep the run's order (full first, methods as given)
+    if method_order:
+        methods = [m for m in method_order if m in methods] + [m for m in methods if m not in method_order]
     order = lambda k: (methods.index(k[0]), k[1], k[2], tasks.index(k[3]))  # noqa: E731
     for key in sorted(set(groups) | set(skipped), key=order):
         method, ratio, length, task = key
@@ -100,13 +112,16 @@ def markdown_tables(summary: list[dict]) -> str:
     """One table per length: rows method x nominal ratio; columns tasks, average, achieved compression."""
     index = {(r["method"], r["compression_ratio"], r["length"], r["task"]): r for r in summary}
     methods = list(dict.fromkeys(r["method"] for r in summary))
-    tasks = [t for t in dict.fromkeys(r["task"] for r in summary) if t != "average"]
+    tasks = _task_order(r["task"] for r in summary)
     partial_tasks = [t for t in tasks if any("passkey_partial" in r for r in summary if r["task"] == t)]
     lengths = sorted({r["length"] for r in summary})
     ratios = sorted({r["compression_ratio"] for r in summary})
     parts = []
     for length in lengths:
-        head = ["method", "ratio", "achieved"] + tasks + [f"{t} (partial)" for t in partial_tasks] + ["avg"]
+        here = {r["task"] for r in summary if r["length"] == length}
+        tasks_l = [t for t in tasks if t in here]
+        partial_l = [t for t in partial_tasks if t in here]
+        head = ["method", "ratio", "achieved"] + tasks_l + [f"{t} (partial)" for t in partial_l] + ["avg"]
         title = f"**{length} tokens**" if length else "**task-file samples (length not given)**"
         lines = [title if len(lengths) > 1 else "", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -116,10 +131,10 @@ def markdown_tables(summary: list[dict]) -> str:
                 if avg is None:
                     continue
                 cells = [method, f"{ratio:g}", _fmt(avg.get("achieved_compression"), 3)]
-                for t in tasks:
+                for t in tasks_l:
                     rec = index.get((method, ratio, length, t))
                     cells.append("n/a" if rec is not None and not rec["n"] else _fmt(rec and rec.get("score")))
-                for t in partial_tasks:
+                for t in partial_l:
                     rec = index.get((method, ratio, length, t))
                     cells.append(_fmt(rec and rec.get("passkey_partial")))
                 score = avg.get("score")
@@ -151,7 +166,7 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     """Average score vs achieved compression, one line per method (full drawn as a horizontal reference);
     one panel per task plus the average."""
     plt = _plt()
-    tasks = ["average"] + [t for t in dict.fromkeys(r["task"] for r in summary) if t != "average"]
+    tasks = ["average"] + _task_order(r["task"] for r in summary)
     lengths = sorted({r["length"] for r in summary})
     cols = min(4, len(tasks))
     rows_n = math.ceil(len(tasks) / cols)
@@ -188,18 +203,21 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def plot_depth_heatmaps(rows: list[dict], task: str, out_dir: str) -> list[str]:
-    """Per method: depth x length heat maps of `task`'s score, one panel per compression ratio."""
+def plot_depth_heatmaps(rows: list[dict], task: str, out_dir: str, method_order: list[str] | None = None) -> list[str]:
+    """Per method: depth x length heat maps of `task`'s score, one panel per compression ratio
+    (cells a method could not be configured for read "n/a")."""
     plt = _plt()
+    skipped = {(r["method"], r["compression_ratio"], r["length"]) for r in rows if r["task"] == task and "skipped" in r}
     rows = [r for r in scored(rows) if r["task"] == task and r.get("depth") is not None]
     if not rows:
         return []
     depths = sorted({r["depth"] for r in rows})
     lengths = sorted({r["length"] for r in rows})
     paths = []
-    for method in dict.fromkeys(r["method"] for r in rows):
+    order = [m for m in dict.fromkeys(method_order or []) if any(r["method"] == m for r in rows)]
+    for method in order + [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]:
         mine = [r for r in rows if r["method"] == method]
-        ratios = sorted({r["compression_ratio"] for r in mine})
+        ratios = sorted({r["compression_ratio"] for r in mine} | {k[1] for k in skipped if k[0] == method})
         fig, axes = plt.subplots(1, len(ratios), figsize=(1.2 + 1.1 * len(lengths) * len(ratios) + 1.2 * len(ratios), 3.6),
                                  squeeze=False)
         for ax, ratio in zip(axes.flat, ratios):
@@ -215,10 +233,13 @@ def plot_depth_heatmaps(rows: list[dict], task: str, out_dir: str) -> list[str]:
                 for j in range(len(lengths)):
                     if not math.isnan(grid[i][j]):
                         ax.text(j, i, f"{grid[i][j]:.0f}", ha="center", va="center", fontsize=8)
+                    elif (method, ratio, lengths[j]) in skipped:
+                        ax.text(j, i, "n/a", ha="center", va="center", fontsize=8, color="gray")
             ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
             ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
             ax.set_xlabel("length (tokens)")
-            ax.set_ylabel("needle depth")
+            if ax is axes.flat[0]:
+                ax.set_ylabel("needle depth")
             ax.set_title(f"ratio {ratio:g}", fontsize=10)
         fig.suptitle(f"{task}: {method}", fontsize=11)
         fig.colorbar(im, ax=list(axes.flat), shrink=0.8, label="score")
@@ -233,9 +254,10 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
 
-def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool = True) -> dict[str, str | list]:
+def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool = True,
+                 method_order: list[str] | None = None) -> dict[str, str | list]:
     """Write `summary.csv`, `summary.md` and the plots; returns their paths."""
-    summary = summarize(rows)
+    summary = summarize(rows, method_order)
     files: dict[str, str | list] = {}
     files["csv"] = os.path.join(out_dir, "summary.csv")
     write_csv(summary, files["csv"])
@@ -245,7 +267,7 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
         plot_score_vs_compression(summary, figures[-1])
         for task in dict.fromkeys(r["task"] for r in rows):
             if len({r.get("depth") for r in rows if r["task"] == task} - {None}) >= 2:
-                figures += plot_depth_heatmaps(rows, task, out_dir)
+                figures += plot_depth_heatmaps(rows, task, out_dir, [r["method"] for r in summary])
     files["plots"] = figures
     md = [header.strip(), "", markdown_tables(summary), ""]
     notes = skipped_notes(summary)
