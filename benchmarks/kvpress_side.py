@@ -5,8 +5,8 @@ library (never kvtrim).
     .venv-kvpress/bin/python benchmarks/kvpress_side.py --input exchange/in.json --output exchange/out.json
 
 Input (written by kvtrim): the model directory (safetensors), the compression ratio, the presses to run,
-the prompts as token ids (role "selection": timing and kept indices; role "passkey": answers), repeats,
-new tokens, torch threads. Output: per press and selection prompt, the kept indices per layer and KV
+the prompts as token ids (role "selection": timing and kept indices; role "passkey": answers), the tasks
+to do ("kept", "timings", "answers"), repeats (numbered from "repeat_base"), new tokens, torch threads. Output: per press and selection prompt, the kept indices per layer and KV
 head (recovered by matching the compressed keys against the keys before compression) and the
 timings of each repeat (prefill wall time, time inside `press.compress`); per passkey prompt, the
 greedy answer ids. kvpress compresses during the prefill only; decoding then runs with explicit
@@ -206,8 +206,9 @@ def main() -> int:
         "kept": {}, "timings": [], "answers": [], "full_logits": {},
     }
 
+    tasks = spec.get("tasks", ["kept", "timings", "answers"])
     # kept indices: one untimed pass per press and selection prompt (it also warms up)
-    for p in selection:
+    for p in selection if "kept" in tasks else []:
         ids = torch.tensor([p["ids"]])
         for pr in presses:
             logits, _, _, _, kept = prefill(model, ids, build_press(pr["name"], ratio, pr.get("params", {})),
@@ -217,7 +218,12 @@ def main() -> int:
                 top = logits[0].topk(20)
                 result["full_logits"][p["id"]] = [top.indices.tolist(), top.values.tolist()]
     # timings: interleaved, the press order rotating by one each repeat
-    for repeat in range(spec["repeats"]):
+    if "timings" in tasks and "kept" not in tasks:  # warm up: one untimed prefill per press
+        ids = torch.tensor([selection[0]["ids"]])
+        for pr in presses:
+            prefill(model, ids, build_press(pr["name"], ratio, pr.get("params", {})))
+    first = spec.get("repeat_base", 0)
+    for repeat in range(first, first + spec["repeats"]) if "timings" in tasks else []:
         for p in selection:
             ids = torch.tensor([p["ids"]])
             k = repeat % len(presses)
@@ -226,7 +232,7 @@ def main() -> int:
                 result["timings"].append({"press": pr["name"], "prompt": p["id"], "repeat": repeat,
                                           "prefill_s": seconds, "compress_s": compress})
     # passkey answers
-    for p in passkey:
+    for p in passkey if "answers" in tasks else []:
         ids = torch.tensor([p["ids"]])
         for pr in presses:
             logits, cache, _, _, _ = prefill(model, ids, build_press(pr["name"], ratio, pr.get("params", {})))

@@ -8,8 +8,9 @@ pair of equivalent methods this reports:
   `positions` a `TrimLayer` holds; kvpress: recovered by matching its compressed keys to the keys
   before compression), on the "selection" prompt of each length;
 * time: prefill wall time and the part spent compressing (kvtrim: scoring + gather, `EvictionTimer`;
-  kvpress: inside `press.compress`), medians over interleaved repeats, each side with its own full
-  cache as the reference (the two sides run different transformers versions);
+  kvpress: inside `press.compress`), medians over repeats that alternate between the two sides (and
+  rotate the method order), each side with its own full cache as the reference (the two sides run
+  different transformers versions);
 * passkey accuracy on the same `kvtrim.eval.passkey` samples (greedy, the key must appear in the answer),
   and how often both sides produced the very same tokens.
 """
@@ -165,28 +166,18 @@ def greedy(model, cache: TrimCache, logits: torch.Tensor, new_tokens: int) -> li
     return decode(model, cache, logits, new_tokens - 1)[0].tolist()
 
 
-def run_kvtrim_side(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig,
-                    progress: Callable[[str], None]) -> dict:
-    out = {"kept": {}, "timings": [], "answers": []}
-    out["full_logits"] = {}
-    selection = [p for p in prompts if p["role"] == "selection"]
-    for p in selection:  # untimed pass: kept positions (and warm-up)
+def kvtrim_kept_and_answers(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig) -> dict:
+    """Kept positions on the selection prompts (an untimed pass, which also warms up) and passkey answers."""
+    out = {"kept": {}, "answers": [], "full_logits": {}}
+    for p in prompts:
+        if p["role"] != "selection":
+            continue
         ids = torch.tensor([p["ids"]])
         for pair in pairs:
             logits, cache, _, _ = kvtrim_prefill(model, ids, pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio))
             out["kept"][f"{pair.name}@{p['id']}"] = kept_positions(cache)
             if pair.name == "full":
                 out["full_logits"][p["id"]] = logits[0].tolist()
-    for repeat in range(cfg.repeats):
-        for p in selection:
-            ids = torch.tensor([p["ids"]])
-            k = repeat % len(pairs)
-            for pair in pairs[k:] + pairs[:k]:
-                method = pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio)
-                _, _, seconds, evict = kvtrim_prefill(model, ids, method)
-                out["timings"].append({"press": pair.name, "prompt": p["id"], "repeat": repeat,
-                                       "prefill_s": seconds, "compress_s": evict})
-        progress(f"kvtrim side: repeat {repeat + 1}/{cfg.repeats} done")
     for p in prompts:
         if p["role"] != "passkey":
             continue
@@ -196,6 +187,21 @@ def run_kvtrim_side(model, prompts: list[dict], pairs: list[Pair], cfg: CompareC
             out["answers"].append({"press": pair.name, "prompt": p["id"], "tokens": greedy(model, cache, logits,
                                                                                           cfg.new_tokens)})
     return out
+
+
+def kvtrim_timings(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig, repeat: int) -> list[dict]:
+    """One interleaved timing repeat (the pair order rotates with `repeat`, as on the kvpress side)."""
+    rows = []
+    for p in prompts:
+        if p["role"] != "selection":
+            continue
+        ids = torch.tensor([p["ids"]])
+        k = repeat % len(pairs)
+        for pair in pairs[k:] + pairs[:k]:
+            _, _, seconds, evict = kvtrim_prefill(model, ids, pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio))
+            rows.append({"press": pair.name, "prompt": p["id"], "repeat": repeat, "prefill_s": seconds,
+                         "compress_s": evict})
+    return rows
 
 
 # ---- comparison -----------------------------------------------------------------------------------
@@ -329,18 +335,28 @@ def run_compare(cfg: CompareConfig, out_dir: str | pathlib.Path, command: str = 
     spec = {"model_dir": str(resolve_model_dir(cfg.model)), "compression_ratio": cfg.compression_ratio,
             "presses": [{"name": p.name, "params": p.press_params} for p in pairs], "prompts": prompts,
             "repeats": cfg.repeats, "new_tokens": cfg.new_tokens, "threads": threads, "seed": cfg.seed}
-    (exchange / "in.json").write_text(json.dumps(spec))
 
-    progress(f"kvpress side: {python} {runner}")
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(python), str(runner), "--input", str(exchange / "in.json"),
-                           "--output", str(exchange / "out.json")], capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise KvtrimError("the kvpress side failed: " + " | ".join(tail))
-    theirs = json.loads((exchange / "out.json").read_text())
-    progress(f"kvpress side done in {time.perf_counter() - t0:.0f} s")
-    ours = run_kvtrim_side(model, prompts, pairs, cfg, progress)
+    def kvpress_side(name: str, **changes) -> dict:
+        (exchange / f"{name}_in.json").write_text(json.dumps({**spec, **changes}))
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(python), str(runner), "--input", str(exchange / f"{name}_in.json"),
+                               "--output", str(exchange / f"{name}_out.json")], capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise KvtrimError("the kvpress side failed: " + " | ".join(tail))
+        progress(f"kvpress side ({name}) done in {time.perf_counter() - t0:.0f} s")
+        return json.loads((exchange / f"{name}_out.json").read_text())
+
+    # selections and answers first, then the timing repeats alternate between the two sides so that
+    # changes in machine load hit both alike
+    theirs = kvpress_side("kept", tasks=["kept", "answers"])
+    ours = kvtrim_kept_and_answers(model, prompts, pairs, cfg)
+    ours["timings"] = []
+    progress("kvtrim side: selections and answers done")
+    for repeat in range(cfg.repeats):
+        theirs["timings"] += kvpress_side(f"time{repeat}", tasks=["timings"], repeats=1, repeat_base=repeat)["timings"]
+        ours["timings"] += kvtrim_timings(model, prompts, pairs, cfg, repeat)
+        progress(f"timing repeat {repeat + 1}/{cfg.repeats} done on both sides")
     (exchange / "kvtrim.json").write_text(json.dumps(ours))
 
     rows = compare(prompts, pairs, ours, theirs, lambda ids: tok.decode(ids, skip_special_tokens=True))

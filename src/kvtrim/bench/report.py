@@ -99,6 +99,11 @@ def targets(result: dict) -> list[str]:
             continue
         tps = r.get("decode_tps_vs_full")
         ideal = r.get("stored_vs_ideal")
+        if not r.get("prefill_evictions"):
+            out.append(f"- ➖ `{r['method']}` evicts nothing during the prefill (a decode-time method): decode "
+                       f"{_f(tps, '.2f')} × full over {result['meta']['config']['new_tokens']} tokens; the stored-bytes "
+                       "target does not apply")
+            continue
         out.append(
             f"- {'✅' if tps and tps > 1 else '❌'} decode speed of `{r['method']}` at {r['prompt_tokens']} tokens: "
             f"{_f(tps, '.2f')} × full; {'✅' if ideal is not None and abs(ideal) <= 0.02 else '❌'} stored bytes "
@@ -222,6 +227,10 @@ def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots:
         text = compare.read_text()
         details.append(text)
         compact += ["", text.replace("## Side by side with kvpress", "### Side by side with kvpress")]
+    notes = directory / "notes.md"  # hand-written reading of the numbers, kept next to them
+    if notes.exists():
+        details.append(notes.read_text())
+        compact += ["", notes.read_text()]
     (directory / "DETAILS.md").write_text("\n\n".join(details).rstrip() + "\n")
     out = directory / "README.md"
     out.write_text("\n".join(compact).rstrip() + "\n")
