@@ -7,7 +7,7 @@ setup:
 	./scripts/bootstrap.sh
 
 demo: setup
-	.venv/bin/python benchmarks/passkey_table.py
+	.venv/bin/kvtrim eval --preset quick
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -230,7 +230,7 @@ class LagKV(EvictionMethod):
     @classmethod
     def at_budget(cls, budget, context_length, **params):
         """Reference mode with the largest keep_ratio whose cache after `context_length` tokens fits
-        `budget` (Eq. 12-13); the global-budget mode when `compression_ratio` is asked for instead."""
+        `budget` (Eq. 12-13). For the global-budget mode build `LagKV(compression_ratio=...)` directly."""
         sink, lag = params.get("sink_size", 16), params.get("lag_size", 128)
         ratio = 1 - budget / context_length
         return cls(keep_ratio=lagkv_keep_ratio_for(ratio, context_length, sink, lag), **params)
