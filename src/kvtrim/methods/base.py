@@ -77,8 +77,10 @@ class EvictionMethod:
     def at_budget(cls, budget: int, context_length: int, **params) -> EvictionMethod:
         """This method configured to hold about `budget` entries per KV head and layer once a prompt of
         `context_length` tokens is in the cache. Sweeps use it to compare methods at equal memory
-        (`budget = int(context_length * (1 - compression_ratio))`)."""
-        raise NotImplementedError(f"{cls.__name__} has no budget form")
+        (`budget = int(context_length * (1 - compression_ratio))`). Default: the `budget=` field."""
+        if "budget" not in {f.name for f in fields(cls)}:
+            raise NotImplementedError(f"{cls.__name__} has no budget form")
+        return cls(budget=budget, **params)
 
     # ---- description -------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
@@ -87,6 +89,11 @@ class EvictionMethod:
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({inner})"
+
+
+def check_compression_ratio(value: float) -> None:
+    """`compression_ratio` is a fraction of entries removed: in [0, 1)."""
+    check(0 <= value < 1, f"compression_ratio must be in [0, 1), got {value}")
 
 
 def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtrim.methods.attention_scores import causal_attention, grouped, layer_scaling, require_queries, top_indices
-from kvtrim.methods.base import EvictionMethod, check, span
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -135,12 +135,9 @@ class H2O(EvictionMethod):
         elif forms[1]:
             check(self.budget >= 2, f"budget must be >= 2, got {self.budget}")
         else:
-            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+            check_compression_ratio(self.compression_ratio)
         check(self.prefill_block >= 1, f"prefill_block must be >= 1, got {self.prefill_block}")
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        return cls(budget=budget, **params)
 
     def budgets(self, prompt_length: int | None = None) -> tuple[int, int]:
         """`(heavy, recent)` entries per KV head (`prompt_length` needed in compression_ratio mode)."""

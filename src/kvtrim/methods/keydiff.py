@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check, check_compression_ratio
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -135,11 +135,8 @@ class KeyDiff(EvictionMethod):
                 f"budget ({self.budget})",
             )
         else:
-            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+            check_compression_ratio(self.compression_ratio)
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        return cls(budget=budget, **params)
 
     def new_state(self, layer_idx):
         return _KeyDiffState()

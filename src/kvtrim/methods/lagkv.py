@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, check, span
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -89,7 +89,7 @@ def lagkv_stored_length(n: int, sink_size: int, lag_size: int, keep_ratio: float
 def lagkv_keep_ratio_for(compression_ratio: float, length: int, sink_size: int = 16, lag_size: int = 128) -> float:
     """The largest per-partition `keep_ratio` (a multiple of `1 / lag_size`) whose cache, after `length`
     tokens, removes at least `compression_ratio` of them (paper Eq. 12-13 solved for r)."""
-    check(0 <= compression_ratio < 1, f"compression_ratio must be in [0, 1), got {compression_ratio}")
+    check_compression_ratio(compression_ratio)
     if compression_ratio == 0:
         return 1.0
     check(
@@ -223,7 +223,7 @@ class LagKV(EvictionMethod):
                 f"(got {self.keep_ratio} * {self.lag_size})",
             )
         else:
-            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+            check_compression_ratio(self.compression_ratio)
         check(self.value_weight >= 0, f"value_weight must be >= 0, got {self.value_weight}")
         self.skip_layers = tuple(int(i) for i in self.skip_layers)
 

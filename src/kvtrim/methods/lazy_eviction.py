@@ -149,10 +149,6 @@ class LazyEviction(EvictionMethod):
         check(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
         check(self.gqa in GQA_MODES, f"gqa must be one of {', '.join(GQA_MODES)}, got '{self.gqa}'")
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        """`budget` as the post-eviction size B (the prompt is compressed only once decoding starts)."""
-        return cls(budget=budget, **params)
 
     @classmethod
     def preset(cls, model: str, dataset: str, budget: int | None = None, **params) -> LazyEviction:

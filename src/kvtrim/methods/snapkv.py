@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries, top_indices
-from kvtrim.methods.base import EvictionMethod, check, span
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -111,11 +111,8 @@ class SnapKV(EvictionMethod):
         if self.budget is not None:
             check(self.budget >= self.window, f"budget ({self.budget}) must be >= window ({self.window})")
         else:
-            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+            check_compression_ratio(self.compression_ratio)
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        return cls(budget=budget, **params)
 
     def new_state(self, layer_idx):
         return _SnapState()

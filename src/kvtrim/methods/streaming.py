@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, check, span
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
 
 
 def streaming_keep(n: int, sink_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -47,11 +47,8 @@ class StreamingLLM(EvictionMethod):
         if self.budget is not None:
             check(self.budget > self.sink_size, f"budget ({self.budget}) must exceed sink_size ({self.sink_size})")
         else:
-            check(0 <= self.compression_ratio < 1, f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+            check_compression_ratio(self.compression_ratio)
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        return cls(budget=budget, **params)
 
     def on_update(self, layer, n_new):
         n = layer.stored

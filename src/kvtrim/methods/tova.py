@@ -64,9 +64,6 @@ class TOVA(EvictionMethod):
         check(self.budget is not None, "TOVA needs budget=")
         check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
 
-    @classmethod
-    def at_budget(cls, budget, context_length, **params):
-        return cls(budget=budget, **params)
 
     def on_attention(self, layer, queries, attention):
         queries = require_queries(queries, "TOVA")
