@@ -18,7 +18,7 @@ dimension is the sequence are gathered with the kept indices by `gather_state`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -89,6 +89,16 @@ class EvictionMethod:
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({inner})"
+
+    def label(self) -> str:
+        """Short form for tables: only the parameters that differ from their defaults (floats to 3 digits)."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        shown = [
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v!r}"
+            for k, v in self.params().items()
+            if v is not None and (k not in defaults or v != defaults[k])
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
 
 
 def check_compression_ratio(value: float) -> None:
