@@ -41,10 +41,3 @@ def causal_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     logits = torch.matmul(grouped(queries.float(), hkv), keys.float()[:, :, None].transpose(-1, -2)) * scaling
     future = torch.arange(n, device=keys.device)[None, :] > (n - q + torch.arange(q, device=keys.device))[:, None]
     return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-
-
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the `k` highest `scores` along the last dim, sorted ascending; ties go to the earlier entry
-    (deterministic, unlike `torch.topk`)."""
-    order = scores.sort(dim=-1, descending=True, stable=True).indices
-    return order[..., :k].sort(dim=-1).values

@@ -112,6 +112,26 @@ def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(start, stop, device=like.device).expand(b, h, stop - start)
 
 
-def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the `k` largest `scores` along the last dim, sorted ascending (position order)."""
-    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` highest `scores` along the last dim, sorted ascending; ties go to the earlier
+    entry (deterministic, unlike `torch.topk`). Same result as a stable descending sort cut at `k`.
+
+    From about a thousand entries on it selects by threshold instead of sorting: one `kthvalue`, then
+    the entries above it plus the earliest of those equal to it (O(n), sync-free on GPU, 2x faster than
+    the sort on CPU at n = 1152); below that the fixed cost of its extra small ops outweighs the sort.
+    """
+    n = scores.shape[-1]
+    positions = torch.arange(n, device=scores.device).expand_as(scores)
+    if k >= n:
+        return positions
+    if n < 1024:
+        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+    threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values  # everything above it is kept
+    above = scores > threshold
+    tied = scores == threshold
+    missing = k - above.sum(dim=-1, keepdim=True)  # how many of the tied entries make the cut
+    keep = above | (tied & (tied.cumsum(dim=-1) <= missing))
+    # scatter kept positions, in order, into k slots (slot k collects the rest and is dropped)
+    slot = (keep.cumsum(dim=-1) - 1).masked_fill(~keep, k)
+    out = torch.empty(*scores.shape[:-1], k + 1, dtype=torch.long, device=scores.device)
+    return out.scatter_(-1, slot, positions)[..., :k]

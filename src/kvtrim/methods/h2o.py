@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.attention_scores import causal_attention, grouped, layer_scaling, require_queries, top_indices
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
+from kvtrim.methods.attention_scores import causal_attention, grouped, layer_scaling, require_queries
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check, check_compression_ratio
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check, check_compression_ratio, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -85,8 +85,7 @@ def keydiff_keep(
         scores[..., :sink_size] = torch.inf
     if recent_size:
         scores[..., max(0, n - recent_size):] = torch.inf
-    order = scores.sort(dim=-1, descending=True, stable=True).indices  # stable: ties -> older entry
-    return order[..., :n_keep].sort(dim=-1).values
+    return top_indices(scores, n_keep)  # ties -> older entry
 
 
 # ---- the method ---------------------------------------------------------------------------------

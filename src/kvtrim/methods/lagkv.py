@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -170,8 +170,7 @@ def lagkv_select_global(
     ranks = scores.argsort(dim=-1).argsort(dim=-1).float() / lag_size  # in [0, (L-1)/L]
     full = torch.full((b, h, n), 2.0, device=keys.device)  # sinks and window: always kept first
     full[:, :, sink_size:end] = ranks.flatten(-2)
-    order = full.sort(dim=-1, descending=True, stable=True).indices  # ties -> earlier entry
-    return order[..., :n_keep].sort(dim=-1).values
+    return top_indices(full, n_keep)  # ties -> earlier entry
 
 
 # ---- the method ---------------------------------------------------------------------------------

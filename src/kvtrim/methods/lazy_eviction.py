@@ -44,8 +44,8 @@ from typing import Iterable
 
 import torch
 
-from kvtrim.methods.attention_scores import grouped, top_indices
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check, span
+from kvtrim.methods.attention_scores import grouped
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check, span, top_indices
 
 MRI_EPS = 1e-5
 

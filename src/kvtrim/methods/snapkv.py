@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries, top_indices
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
+from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries
+from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries, top_indices
-from kvtrim.methods.base import EvictionMethod, check
+from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries
+from kvtrim.methods.base import EvictionMethod, check, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
