@@ -37,6 +37,6 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model (SmolLM2-135M-Instruct, float32) and its tokenizer."""
-    from kvtrim.models import load_model
+    from kvtrim import load_model  # the README's spelling, kvtrim.load_model
 
     return load_model("smollm2-135m", dtype=torch.float32)

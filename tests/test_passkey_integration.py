@@ -6,7 +6,6 @@ import pytest
 
 import kvtrim
 from kvtrim.eval.passkey import make_passkey
-from kvtrim.generate import generate
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +24,7 @@ def retrieved(smollm, samples, method) -> tuple[list[bool], kvtrim.CacheStats]:
     hits = []
     for s in samples:
         ids = tok(s.prompt, return_tensors="pt").input_ids
-        new, cache = generate(model, ids, method, max_new_tokens=8)
+        new, cache = kvtrim.generate(model, ids, method, max_new_tokens=8)
         hits.append(s.key in tok.decode(new[0]))
     return hits, cache.stats()
 

@@ -3,6 +3,8 @@
 from kvtrim.attention import disable, enable, is_enabled
 from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.prefill import lagkv_chunk_sizes, prefill, prefill_lagkv  # `kvtrim.prefill` is the function
+from kvtrim.models import load_model
+from kvtrim.generate import generate, generate_text  # `kvtrim.generate` is the function
 from kvtrim.methods import (
     H2O,
     TOVA,
@@ -24,6 +26,9 @@ from kvtrim.methods import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "load_model",
+    "generate",
+    "generate_text",
     "is_enabled",
     "estimate_window",
     "enable",
