@@ -16,6 +16,7 @@ position ids continuing from the original length, as its pipeline does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -147,19 +148,12 @@ def prefill(model, ids: torch.Tensor, press, record: bool = False):
     try:
         if recorder:
             recorder.add_before()
-        if press is None:
+        with press(model) if press is not None else contextlib.nullcontext():
             if recorder:
-                recorder.add_after()
+                recorder.add_after()  # after the press's hooks, so it records what the press kept
             t0 = time.perf_counter()
             out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             seconds = time.perf_counter() - t0
-        else:
-            with press(model):
-                if recorder:
-                    recorder.add_after()
-                t0 = time.perf_counter()
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                seconds = time.perf_counter() - t0
     finally:
         timer.remove()
         if recorder:

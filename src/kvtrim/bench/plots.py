@@ -47,6 +47,15 @@ def _title(result: dict) -> str:
             f"{env.get('dtype', '')} · compression ratio {cfg.get('compression_ratio', '?')}")
 
 
+def _save(plt, fig, result: dict, path: pathlib.Path) -> pathlib.Path:
+    """Title the figure with the run's conditions, write it to `path` and free it."""
+    fig.suptitle(_title(result), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_prefill(result: dict, path: pathlib.Path) -> pathlib.Path:
     plt = _pyplot()
     summary = result["summary"]
@@ -67,11 +76,7 @@ def plot_prefill(result: dict, path: pathlib.Path) -> pathlib.Path:
         _length_ticks(plt, ax)
     a.text(a.get_xlim()[0], 3, " 3 %", fontsize=7, va="bottom", color="grey")
     b.legend(fontsize=8)
-    fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, result, path)
 
 
 def plot_decode(result: dict, path: pathlib.Path) -> pathlib.Path:
@@ -86,11 +91,7 @@ def plot_decode(result: dict, path: pathlib.Path) -> pathlib.Path:
     _length_ticks(plt, ax)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, result, path)
 
 
 def plot_memory(result: dict, path: pathlib.Path) -> pathlib.Path:
@@ -107,11 +108,7 @@ def plot_memory(result: dict, path: pathlib.Path) -> pathlib.Path:
     for ax in (a, b):
         ax.grid(True, alpha=0.3)
     b.legend(fontsize=8)
-    fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, result, path)
 
 
 def plot_trace(result: dict, path: pathlib.Path) -> pathlib.Path | None:
@@ -137,11 +134,7 @@ def plot_trace(result: dict, path: pathlib.Path) -> pathlib.Path | None:
            title="Stored KV bytes as the prompt arrives and during decoding")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(_title(result), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, result, path)
 
 
 def plot_all(result: dict, out_dir: str | pathlib.Path, prefix: str = "bench") -> list[pathlib.Path]:
