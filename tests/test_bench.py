@@ -316,3 +316,24 @@ def test_cli_writes_json_plots_and_report(tmp_path, capsys):
     assert "KeyDiff block-wise prefill, fixed budget" in readme  # the flat-peak target is evaluated
     assert main(["bench", "--methods", "nope", "--out", str(out)]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_flat_peak_target_is_checked_per_configuration_across_lengths():
+    """Two fixed-budget KeyDiff configurations at one length are not a length sweep; each configuration
+    measured at several lengths gets its own flat-peak verdict."""
+    from kvtrim.bench.report import targets
+
+    def cell(method, length, kv_peak):
+        return {"status": "ok", "method": method, "length": length, "prompt_tokens": length - 10,
+                "kv_live_peak_bytes": kv_peak, "mem_peak_prefill_bytes": kv_peak, "peak_per_layer": [0, 64],
+                "evict_share_prefill": 0.01, "prefill_evictions": 3, "decode_tps_vs_full": 1.5, "stored_vs_ideal": 0.0}
+
+    meta = {"config": {"new_tokens": 4}}
+    same_length = {"meta": meta, "summary": [cell("keydiff:budget=8", 256, 100), cell("keydiff:budget=8:block_size=32", 256, 200)]}
+    assert not [t for t in targets(same_length) if "flat" in t or "fixed budget" in t]
+
+    sweep = {"meta": meta, "summary": [cell("keydiff:budget=8", 256, 100), cell("keydiff:budget=8", 512, 100),
+                                       cell("keydiff:budget=8", 1024, 100), cell("keydiff:budget=16", 256, 100),
+                                       cell("keydiff:budget=16", 512, 150), cell("keydiff:budget=16", 1024, 300)]}
+    verdicts = {t.split("`")[1]: t[2] for t in targets(sweep) if "fixed budget" in t}
+    assert verdicts == {"keydiff:budget=8": "✅", "keydiff:budget=16": "❌"}

@@ -83,7 +83,7 @@ def targets(result: dict) -> list[str]:
     lengths = sorted({r["length"] for r in result["summary"]})
     at4k = 4096 if 4096 in lengths else None
     for name in ("lagkv", "keydiff"):
-        for r in _cells(result, name, at4k, fixed_budget=False) if at4k else []:
+        for r in _cells(result, name, at4k) if at4k else []:
             share = r["evict_share_prefill"]
             ok = share is not None and share < 0.03
             out.append(f"- {'✅' if ok else '❌'} eviction bookkeeping of `{r['method']}` at {r['prompt_tokens']} "
@@ -109,14 +109,18 @@ def targets(result: dict) -> list[str]:
             f"{_f(tps, '.2f')} × full; {'✅' if ideal is not None and abs(ideal) <= 0.02 else '❌'} stored bytes "
             f"{_f(ideal, '+.1f', 100)} % vs ideal (target within 2 %)"
         )
-    fixed = _cells(result, "keydiff", fixed_budget=True)
-    if len(fixed) >= 2:
+    fixed: dict[str, list[dict]] = {}  # one flat-peak check per fixed-budget KeyDiff configuration
+    for r in _cells(result, "keydiff", fixed_budget=True):
+        fixed.setdefault(r["method"], []).append(r)
+    for method, cells in fixed.items():
+        if len({r["length"] for r in cells}) < 2:
+            continue  # flat in context length needs at least two lengths
         peaks = [(r["prompt_tokens"], r["kv_live_peak_bytes"], r["mem_peak_prefill_bytes"], r.get("peak_per_layer"))
-                 for r in sorted(fixed, key=lambda r: r["length"])]
+                 for r in sorted(cells, key=lambda r: r["length"])]
         kv = [p[1] for p in peaks[1:]]
         flat = max(kv) <= min(kv) * 1.001
         out.append(
-            f"- {'✅' if flat else '❌'} KeyDiff block-wise prefill, fixed budget (`{fixed[0]['method']}`): analytic KV "
+            f"- {'✅' if flat else '❌'} KeyDiff block-wise prefill, fixed budget (`{method}`): analytic KV "
             f"peak {', '.join(f'{p[1] / MIB:.1f}' for p in peaks)} MiB at {', '.join(str(p[0]) for p in peaks)} tokens; "
             f"(entries per layer at most {', '.join(str(p[3][1]) if p[3] else '?' for p in peaks)}); "
             f"measured prefill peak {', '.join(f'{p[2] / MIB:.0f}' for p in peaks)} MiB"
