@@ -121,11 +121,11 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     the sort on CPU at n = 1152); below that the fixed cost of its extra small ops outweighs the sort.
     """
     n = scores.shape[-1]
+    if n < 1024 and k < n:
+        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
     positions = torch.arange(n, device=scores.device).expand_as(scores)
     if k >= n:
         return positions
-    if n < 1024:
-        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
     threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values  # everything above it is kept
     above = scores > threshold
     tied = scores == threshold
