@@ -79,6 +79,7 @@ def drive(method: EvictionMethod, q, k, v, prompt: int, scale: float, probs: boo
     history = []
     layer.update(k[:, :, :prompt], v[:, :, :prompt])
     layer.after_attention(q[:, :, :prompt], None, scale)
+    layer.end_prompt()  # what kvtrim.prefill declares (a standalone layer is not told)
     history.append(layer.positions.clone())
     for t in range(prompt, q.shape[2]):
         full_k, full_v = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])

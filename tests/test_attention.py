@@ -125,9 +125,10 @@ class Spy(kvtrim.FullCache):
     def __init__(self):
         self.calls = []
 
-    def on_attention(self, layer, queries, attention):
-        self.calls.append((layer.layer_idx, queries.clone(), None if attention is None else attention.clone(),
-                           layer.keys.clone(), layer.values.clone(), layer.attn_scaling))
+    def on_attention(self, view):
+        self.calls.append((view.layer_idx, view.queries.clone(),
+                           None if view.attention is None else view.attention.clone(),
+                           view.keys.clone(), view.values.clone(), view.scaling))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

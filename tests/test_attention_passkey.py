@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import kvtrim
-from kvtrim.eval.passkey import passkey_samples
+from kvtrim.passkey import passkey_samples
 from kvtrim.generate import generate
 
 pytestmark = pytest.mark.integration

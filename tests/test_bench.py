@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvtrim.bench.memory import PeakMemory
-from kvtrim.bench.runner import BenchConfig, kv_peak_layer_sum, measure_cell, run_bench
-from kvtrim.bench.specs import MethodSpec, parse_methods, parse_spec
+from kvtrim.bench.runner import BenchConfig, bench_methods, kv_peak_layer_sum, measure_cell, run_bench
+from kvtrim.specs import parse_method_spec as parse_spec
 from kvtrim.bench.summary import read_json, summarize, validate_result, write_json
 from kvtrim.bench.timing import EvictionTimer
 from kvtrim.cache import TrimCache
@@ -39,10 +39,10 @@ class ClockedKeepLast(EvictionMethod):
     gather_cost: float = 0.25
     clock: FakeClock | None = None
 
-    def on_update(self, layer, n_new):
+    def on_update(self, view):
         self.clock.t += self.score_cost
-        n = layer.stored
-        return None if n <= self.budget else span(n - self.budget, n, layer.keys)
+        n = view.stored
+        return None if n <= self.budget else span(n - self.budget, n, view.keys)
 
     def gather_state(self, state, keep):
         self.clock.t += self.gather_cost
@@ -152,10 +152,10 @@ def test_specs_build_at_budget_or_as_given():
     method = spec.build(400, 0.5)
     assert isinstance(method, LagKV) and method.mode == "reference" and method.sink_size == 4
     fixed = parse_spec("keydiff:budget=64")
-    assert fixed.fixed_size and fixed.build(4000, 0.75).budget == 64
+    assert fixed.fixes_size and fixed.build(4000, 0.75).budget == 64
     assert parse_spec("keydiff").build(400, 0.75).budget == 100
     assert parse_spec("lagkv:skip_layers=0+1").build(400, 0.5).skip_layers == (0, 1)
-    specs = parse_methods("streaming,keydiff")
+    specs = bench_methods("streaming,keydiff")
     assert [s.label for s in specs] == ["full", "streaming", "keydiff"]
     with pytest.raises(KvtrimError, match="unknown method"):
         parse_spec("nope")
@@ -164,7 +164,7 @@ def test_specs_build_at_budget_or_as_given():
     with pytest.raises(KvtrimError, match="cannot read"):
         parse_spec("keydiff:budget=many")
     with pytest.raises(KvtrimError, match="listed twice"):
-        parse_methods("keydiff,keydiff")
+        bench_methods("keydiff,keydiff")
     with pytest.raises(KvtrimError, match="out of reach"):
         parse_spec("lagkv").build(300, 0.75)
 
@@ -172,13 +172,13 @@ def test_specs_build_at_budget_or_as_given():
 def test_unreachable_cells_are_skipped_with_the_reason():
     model = tiny_model("llama")
     cfg = BenchConfig(methods=[], compression_ratio=0.75, new_tokens=2, collect_garbage=False)
-    row = measure_cell(model, MethodSpec("lagkv", "lagkv"), torch.randint(0, 200, (1, 40)), cfg, 40)
+    row = measure_cell(model, parse_spec("lagkv"), torch.randint(0, 200, (1, 40)), cfg, 40)
     assert row["status"] == "skipped" and "does not compress 40 tokens" in row["reason"]
 
 
 def test_run_bench_result_schema_and_json_round_trip(tmp_path):
     model = tiny_model("llama")
-    cfg = BenchConfig(methods=parse_methods("lagkv:lag_size=8:sink_size=2,keydiff:block_size=16"),
+    cfg = BenchConfig(methods=bench_methods("lagkv:lag_size=8:sink_size=2,keydiff:block_size=16"),
                       lengths=[48, 96], compression_ratio=0.5, new_tokens=3, repeats=2, trace_length=64,
                       trace_decode=4, warmup=False, collect_garbage=False)
     result = run_bench(model, None, cfg, progress=lambda s: None)
@@ -299,7 +299,7 @@ def test_cli_writes_json_plots_and_report(tmp_path, capsys):
     threads = torch.get_num_threads()
     try:
         rc = main(["bench", "--threads", "1", "--model", "arch:tiny-llama", "--methods",
-                   "keydiff:block_size=16,keydiff:budget=24:block_size=16", "--lengths", "48,96", "--compression-ratio", "0.5", "--repeats", "1", "--new-tokens", "3",
+                   "keydiff:block_size=16,keydiff:budget=24:block_size=16", "--lengths", "48,96", "--compression-ratio", "0.5", "--repeats", "1", "--max-new-tokens", "3",
                    "--trace-length", "64", "--trace-decode", "3", "--no-warmup", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)

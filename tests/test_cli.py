@@ -18,7 +18,9 @@ from kvtrim.cli import main
         (["--method", "lagkv", "--keep-ratio", "0"], "keep_ratio must be in (0, 1]"),
         (["--method", "lagkv", "--lag-size", "0"], "lag_size must be >= 1"),
         (["--method", "lagkv", "--sink-size", "-3"], "sink_size must be >= 0"),
-        (["--method", "lagkv", "--budget", "10"], "method 'lagkv' has no parameter budget"),
+        (["--method", "lagkv", "--window", "10"], "method 'lagkv' has no parameter window"),
+        (["--method", "lagkv:lag_size=64", "--lag-size", "32"], "parameter lag_size given twice"),
+        (["--method", "lagkv:lag_size=x"], "cannot read 'x' as int"),
         (["--method", "nope"], "unknown method 'nope'"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--prompt-file", "/does/not/exist"], "cannot read prompt file"),
@@ -43,7 +45,7 @@ def test_error_has_no_traceback_from_the_console_entry_point():
 def test_methods_and_models_listings(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
-    for line in ("lagkv", "--keep-ratio", "--lag-size", "streaming", "--budget", "full"):
+    for line in ("lagkv", "keep_ratio", "lag_size", "streaming", "budget", "full", "knorm", "spec syntax"):
         assert line in out
     assert main(["models"]) == 0
     out = capsys.readouterr().out

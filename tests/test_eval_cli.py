@@ -22,9 +22,9 @@ def _error(capsys, argv) -> str:
         (["--tasks", "niah_single_1,nope"], "unknown task nope"),
         (["--methods", "lagkv,nope"], "unknown method 'nope'"),
         (["--methods", "lagkv:nope=3"], "has no parameter 'nope'"),
-        (["--methods", "lagkv:lag_size=big"], "not a valid int"),
-        (["--ratios", "0.5,1.0"], "must be in [0, 1)"),
-        (["--ratios", "-0.1"], "must be in [0, 1)"),
+        (["--methods", "lagkv:lag_size=big"], "cannot read 'big' as int"),
+        (["--compression-ratios", "0.5,1.0"], "must be in [0, 1)"),
+        (["--compression-ratios", "-0.1"], "must be in [0, 1)"),
         (["--samples", "0"], "--samples must be >= 1"),
         (["--depths", "1.5", "--tasks", "niah"], "--depths must be in [0, 1]"),
         (["--lengths", "100000"], "beyond the model's context of 8192"),
@@ -63,7 +63,7 @@ def test_presets_resolve():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     for name in PRESETS:
-        args = parser.parse_args(["eval", "--preset", name, "--ratios", "0.3"])
+        args = parser.parse_args(["eval", "--preset", name, "--compression-ratios", "0.3"])
         cfg = _resolve(args)
         assert cfg["ratios"] == [0.3]  # explicit flags win
         assert cfg["tasks"] and cfg["lengths"] and cfg["methods"]
@@ -72,6 +72,6 @@ def test_presets_resolve():
 
 
 def test_lengths_accept_k_suffix():
-    from kvtrim.eval.cli import _ints
+    from kvtrim.cli_args import lengths
 
-    assert _ints("1024,4k,16K") == [1024, 4096, 16384]
+    assert lengths("1024,4k,16K") == [1024, 4096, 16384]

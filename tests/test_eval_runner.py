@@ -13,13 +13,13 @@ from kvtrim.attention import enable
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.report import summarize, write_report
-from kvtrim.eval.reuse import replay, reuses_prefill, shared_prefill, waits_for_attention
 from kvtrim.eval.runner import RESULTS, Runner, RunSettings, load_rows, plan
-from kvtrim.eval.specs import build_method, parse_method_specs
+from kvtrim.specs import parse_method_specs
 from kvtrim.eval.tasks import generate_samples
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError
-from kvtrim.prefill import prefill
+from kvtrim.compress import compress
+from kvtrim.methods import FullCache, KeyDiff
 
 # every registered method, with parameters that make it evict on ~400-token prompts
 SPECS = {
@@ -67,43 +67,45 @@ def test_replayed_cache_equals_direct_prefill(model, tok, samples, ratio=0.75):
     """For every method that reuses the prefill: same stored keys, values, positions and the same next logits."""
     ids = PromptFormat(tok).encode(samples[0])[0]
     n = ids.shape[-1]
-    shared = shared_prefill(model, ids, capture_queries=True)
-    assert shared.has_queries
+    shared = compress(model, ids, FullCache(), record_queries=True)
     checked = 0
     for spec in _specs():
         try:
-            method = build_method(spec, ratio, n)
-        except (KvtrimError, NotImplementedError):
+            method = spec.build(n, ratio)
+        except KvtrimError:
             continue
-        if not reuses_prefill(method):
+        if method.prefill_block_size() is not None:
             continue
-        direct = TrimCache(method, config=model.config)
-        logits = prefill(model, ids, direct)
-        replayed = replay(shared, build_method(spec, ratio, n), model.config)
-        assert torch.equal(logits, shared.logits)
-        for a, b in zip(_layers(direct), _layers(replayed), strict=True):
+        direct = compress(model, ids, method)
+        replayed = shared.recompress(spec.build(n, ratio))
+        assert torch.equal(direct.logits, shared.logits)
+        for a, b in zip(_layers(direct.cache), _layers(replayed.cache), strict=True):
             assert torch.equal(a.positions, b.positions), spec.label
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), spec.label
             assert a.seen == b.seen == n
         if not spec.is_full and method.name != "lazyeviction":  # lazyeviction keeps the prompt at prefill
-            assert _layers(replayed)[0].stored < n, f"{spec.label} evicted nothing: the test would prove little"
+            assert _layers(replayed.cache)[0].stored < n, f"{spec.label} evicted nothing: the test would prove little"
         # the next step (a question token) behaves the same on both caches
         step = torch.tensor([[42]])
         pos = torch.tensor([[n]])
-        out_d = model(input_ids=step, cache=direct, position_ids=pos).logits
-        out_r = model(input_ids=step, cache=replayed, position_ids=pos).logits
+        out_d = model(input_ids=step, cache=direct.cache, position_ids=pos).logits
+        out_r = model(input_ids=step, cache=replayed.cache, position_ids=pos).logits
         assert torch.equal(out_d, out_r), spec.label
         checked += 1
     assert checked >= 3
 
 
-def test_reuse_rule():
-    for name, cls in METHODS.items():
-        if name == "keydiff":
-            assert not reuses_prefill(cls.at_budget(64, 400))  # block-wise prefill changes hidden states
-            assert reuses_prefill(cls(compression_ratio=0.5))  # its one-shot mode does not
-    lag = build_method(parse_method_specs("lagkv")[0], 0.5, 1000)
-    assert reuses_prefill(lag) and not reuses_prefill(lag, chunk_size=128)
+def test_reuse_rule(model, tok, samples):
+    ids = PromptFormat(tok).encode(samples[0])[0]
+    shared = compress(model, ids, FullCache())
+    with pytest.raises(KvtrimError, match="block by block"):  # block-wise prefill changes hidden states
+        shared.recompress(KeyDiff(budget=64))
+    assert shared.recompress(KeyDiff(compression_ratio=0.5)).stats().compression_ratio > 0.4  # one-shot: fine
+    with pytest.raises(KvtrimError, match="queries"):  # no queries recorded
+        shared.recompress(parse_method_specs("snapkv")[0].build(ids.shape[-1], 0.5))
+    chunked = compress(model, ids, FullCache(), chunk_size=64)
+    with pytest.raises(KvtrimError, match="one forward"):
+        chunked.recompress(KeyDiff(compression_ratio=0.5))
 
 
 def _run(model, tok, samples, out, reuse, specs=None, ratios=(0.8,)):
@@ -188,9 +190,8 @@ def test_report_files(model, tok, tmp_path):
 
 
 def test_waits_for_attention_flags():
-    assert not waits_for_attention(METHODS["lagkv"]())
-    if "snapkv" in METHODS:
-        assert waits_for_attention(METHODS["snapkv"].at_budget(64, 400))
+    assert not METHODS["lagkv"]().waits_for_attention
+    assert METHODS["snapkv"].at_budget(64, 400).waits_for_attention
 
 
 @pytest.mark.integration

@@ -187,13 +187,20 @@ def test_ratio_mode_is_one_shot():
     arrivals = [40] + [1] * 7
     method = KeyDiff(compression_ratio=0.75)
     stored = [layer.stored for layer in feed(method, keys, arrivals)]
-    assert stored == [10] + list(range(11, 18))  # int(40 * 0.25) = 10, then no further eviction
+    # a standalone layer learns that its prompt ended at the first decode step: it compresses the 40
+    # prompt entries to int(40 * 0.25) = 10 there, before appending; no further eviction
+    assert stored == [40] + list(range(11, 18))
     layer = next(feed(method, keys, [40]))
+    layer.end_prompt()
     assert layer.positions[0].tolist() == [ref_keep_head(keys[0, h, :40], 10) for h in range(2)]
-    # a new turn after decoding is allowed; a chunked prefill is refused
-    list(feed(method, keys, [40, 1, 6]))
-    with pytest.raises(KvtrimError, match="budget="):
-        list(feed(method, keys, [20, 20]))
+    # a chunked prompt is compressed once, when it ends, to the same set as a one-shot prompt
+    chunked = list(feed(method, keys, [20, 20]))[-1]
+    chunked.end_prompt()
+    assert torch.equal(chunked.positions, layer.positions)
+    # appends after the prompt (a question, a new turn) are kept
+    for after in (feed(method, keys, [40, 1, 6]),):
+        last = list(after)[-1]
+        assert last.stored == 10 + 1 + 6
 
 
 def test_validation_errors_are_one_liners():
@@ -248,7 +255,7 @@ def test_blockwise_keydiff_keeps_early_and_mid_needles_at_lagkv_size(smollm):
     Asserted: block-wise KeyDiff retrieves every needle at depth <= 0.5 (the ones positional eviction
     loses) and at least 3 of 5 overall, while its prefill never holds more than budget + block.
     """
-    from kvtrim.eval.passkey import passkey_samples
+    from kvtrim.passkey import passkey_samples
     from kvtrim.generate import generate
 
     model, tok = smollm

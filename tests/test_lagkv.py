@@ -135,7 +135,9 @@ def test_global_mode_matches_loop_reference(b, h, d, ratio):
 def test_global_mode_acts_once_after_first_forward():
     keys, values = random_kv(1, 2, 120, 8)
     method = kvtrim.LagKV(sink_size=4, lag_size=8, compression_ratio=0.5)
-    layer = feed(method, keys, values, [100, 20])
+    layer = feed(method, keys, values, [100])
+    layer.end_prompt()  # a standalone layer is not told where its prompt ends
+    layer.update(keys[:, :, 100:], values[:, :, 100:])
     assert layer.stored == 50 + 20  # the prefill was halved; the next forward only appended
     assert layer.evictions == 1
 

@@ -13,7 +13,8 @@ import kvtrim
 from kvtrim.attention import attend_with_probabilities
 from kvtrim.cache import TrimLayer
 from kvtrim.generate import encode_prompt
-from kvtrim.methods.lazy_eviction import PRESETS, mri_scores
+from kvtrim.calibrate import PRESETS
+from kvtrim.methods.lazy_eviction import mri_scores
 
 
 def feed(layer: TrimLayer, rows: list[list[float]]) -> None:
@@ -167,13 +168,13 @@ def test_validation_presets_and_budget_form():
         with pytest.raises(kvtrim.KvtrimError, match=text) as err:
             kvtrim.LazyEviction(**kwargs)
         assert "\n" not in str(err.value)
-    m = kvtrim.LazyEviction.preset("DeepSeek-R1-Distill-Qwen-7B", "math500")
+    m = kvtrim.lazy_eviction_preset("DeepSeek-R1-Distill-Qwen-7B", "math500")
     assert (m.budget, m.window, m.alpha) == (1492, 175, 1e-4)
-    m = kvtrim.LazyEviction.preset("deepseek-r1-distill-llama-8b", "gsm8k", budget=500, gqa="per_query_head")
+    m = kvtrim.lazy_eviction_preset("deepseek-r1-distill-llama-8b", "gsm8k", budget=500, gqa="per_query_head")
     assert (m.budget, m.window, m.alpha, m.gqa) == (500, 27, 5e-4, "per_query_head")
     assert len(PRESETS) == 6
     with pytest.raises(kvtrim.KvtrimError, match="no LazyEviction preset"):
-        kvtrim.LazyEviction.preset("llama", "gsm8k")
+        kvtrim.lazy_eviction_preset("llama", "gsm8k")
     assert kvtrim.LazyEviction.at_budget(300, 2000, window=64).budget == 300
 
 

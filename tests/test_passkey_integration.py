@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvtrim
-from kvtrim.eval.passkey import make_passkey
+from kvtrim.passkey import make_passkey
 
 pytestmark = pytest.mark.integration
 

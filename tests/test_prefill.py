@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvtrim import FullCache, KeyDiff, KvtrimError, LagKV, TrimCache, lagkv_stored_length
 from kvtrim.generate import generate
-from kvtrim.prefill import default_chunk_size, lagkv_chunk_sizes, prefill, prefill_lagkv
+from kvtrim.prefill import lagkv_chunk_sizes, prefill, prefill_lagkv
 
 
 def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -89,9 +89,9 @@ def reference_blockwise(model, ids: torch.Tensor, budget: int, block: int):
             h = k.shape[1]
             pos = torch.cat([kept[li][2] if kept else torch.empty(b, h, 0, dtype=torch.long),
                              torch.arange(start, start + q).expand(b, h, q)], dim=-1)
-            # KeyDiff's timing rule: a block evicts once over budget; a single token (a final 1-token
-            # block looks like a decode step) only when the cache reaches budget + block
-            if k.shape[-2] > (budget if q > 1 else budget + block - 1):
+            # KeyDiff's timing rule: every prompt block evicts once over budget (kvtrim.prefill declares
+            # its blocks, so a final 1-token block is a prompt block too)
+            if k.shape[-2] > budget:
                 keep = ref_keep(k, budget)
                 idx = keep[..., None].expand(-1, -1, -1, k.shape[-1])
                 k, v, pos = k.gather(2, idx), v.gather(2, idx), pos.gather(2, keep)
@@ -112,7 +112,7 @@ def test_keydiff_blockwise_prefill_matches_hand_built_reference(tiny, block):
         assert torch.equal(layer.positions, pos)
         torch.testing.assert_close(layer.keys, k, atol=1e-4, rtol=1e-4)
         assert layer.peak <= budget + block and layer.seen == 100
-        assert layer.stored == (budget if 100 % block != 1 else budget + 1)
+        assert layer.stored == budget
 
 
 def test_generate_prefill_chunk_size_equals_kvtrim_prefill(tiny):
@@ -163,9 +163,9 @@ def test_kvtrim_generate_uses_the_block_size_by_default(tiny):
 
 
 def test_default_chunk_size_and_errors(tiny):
-    assert default_chunk_size(KeyDiff(budget=8, block_size=4)) == 4
-    assert default_chunk_size(KeyDiff(compression_ratio=0.5)) is None
-    assert default_chunk_size(LagKV()) is None and default_chunk_size(FullCache()) is None
+    assert KeyDiff(budget=8, block_size=4).prefill_block_size() == 4
+    assert KeyDiff(compression_ratio=0.5).prefill_block_size() is None
+    assert LagKV().prefill_block_size() is None and FullCache().prefill_block_size() is None
     ids = prompt(20)
     cache = TrimCache(FullCache(), config=tiny.config)
     with pytest.raises(KvtrimError, match="add up to"):
@@ -178,8 +178,10 @@ def test_default_chunk_size_and_errors(tiny):
         prefill_lagkv(tiny, ids, TrimCache(KeyDiff(budget=8), config=tiny.config))
     with pytest.raises(KvtrimError, match="exceed the model's context"):
         prefill(tiny, prompt(tiny.config.max_position_embeddings + 1), cache)
-    with pytest.raises(KvtrimError, match="budget="):  # ratio mode compresses a one-shot prefill only
-        prefill(tiny, ids, TrimCache(KeyDiff(compression_ratio=0.5), config=tiny.config), chunk_size=8)
+    # ratio mode over a chunked prompt: kept whole until the prompt ends, then compressed once
+    ratio = TrimCache(KeyDiff(compression_ratio=0.5), config=tiny.config)
+    prefill(tiny, ids, ratio, chunk_size=8)
+    assert all(layer.stored == 10 and layer.evictions == 1 and layer.peak == 20 for layer in ratio.layers)
 
 
 # ---- LagKV chunk-by-chunk ---------------------------------------------------------------------------
@@ -230,7 +232,7 @@ def test_lagkv_chunk_by_chunk_stored_length_and_peak(tiny, n):
 # ---- integration: the memory bound on a real 4k-token prompt ------------------------------------------
 @pytest.mark.integration
 def test_keydiff_blockwise_prefill_bounds_memory_on_4k_prompt(smollm):
-    from kvtrim.eval.passkey import passkey_samples
+    from kvtrim.passkey import passkey_samples
 
     model, tok = smollm
     sample = passkey_samples(tok, 4000, 1, seed=0)[0]
@@ -239,9 +241,9 @@ def test_keydiff_blockwise_prefill_bounds_memory_on_4k_prompt(smollm):
     spied: list[int] = []
 
     class Spy(KeyDiff):  # records the stored length of every layer at every update, before eviction
-        def on_update(self, layer, n_new):
-            spied.append(layer.stored)
-            return super().on_update(layer, n_new)
+        def on_update(self, view):
+            spied.append(view.stored)
+            return super().on_update(view)
 
     cache = TrimCache(Spy(budget=budget, block_size=block), config=model.config)
     logits = prefill(model, ids, cache)
@@ -250,8 +252,8 @@ def test_keydiff_blockwise_prefill_bounds_memory_on_4k_prompt(smollm):
     n_layers = model.config.num_hidden_layers
     assert len(spied) == n_layers * math.ceil(n / block)
     assert max(spied) == budget + block  # reached, never exceeded
-    final = budget if n % block != 1 else budget + 1  # a final 1-token block counts as a decode step
-    assert all(layer.peak <= budget + block and layer.stored == final for layer in cache.layers)
+    # kvtrim.prefill declares its blocks: even a final 1-token block is a prompt block (cut to budget)
+    assert all(layer.peak <= budget + block and layer.stored == budget for layer in cache.layers)
     assert all(layer.seen == n for layer in cache.layers)
 
 

@@ -53,8 +53,8 @@ def test_generate_on_tiny_model_keeps_what_the_reference_keeps(tiny):
     class Capture(kvtrim.FullCache):
         needs_queries = True
 
-        def on_attention(self, layer, queries, attention):
-            captured[layer.layer_idx] = (queries.clone(), layer.keys.clone(), layer.attn_scaling)
+        def on_attention(self, view):
+            captured[view.layer_idx] = (view.queries.clone(), view.keys.clone(), view.scaling)
 
     with torch.no_grad():
         model(ids, cache=kvtrim.TrimCache(Capture(), config=model.config))

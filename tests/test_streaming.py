@@ -38,6 +38,7 @@ def test_ratio_mode_compresses_the_prefill_once():
     keys = torch.randn(1, 2, 110, 4)
     layer = TrimLayer(kvtrim.StreamingLLM(sink_size=4, compression_ratio=0.75), 0)
     layer.update(keys[:, :, :100], keys[:, :, :100])
+    layer.end_prompt()  # a standalone layer is not told where its prompt ends
     assert layer.positions[0, 0].tolist() == list(range(4)) + list(range(79, 100))
     layer.update(keys[:, :, 100:], keys[:, :, 100:])
     assert layer.stored == 25 + 10

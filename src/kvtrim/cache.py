@@ -15,6 +15,9 @@ sorted ascending per head. Kept entries are gathered into new, smaller tensors: 
 
 from __future__ import annotations
 
+import copy
+import weakref
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
@@ -22,17 +25,26 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError
+from kvtrim.methods.base import EvictionMethod, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
 
-# The layer whose attention is about to run. Set by `TrimLayer.update`, taken by kvtrim's attention
-# function (`kvtrim.attention`), which hands it the queries / probabilities when its method waits for them.
-_PENDING_LAYER: ContextVar[TrimLayer | None] = ContextVar("kvtrim_pending_layer", default=None)
+# ---- the hand-off to kvtrim's attention function ---------------------------------------------------
+# The protocol (all of it): `TrimLayer.update` of a layer whose method waits for its attention registers
+# the layer here; kvtrim's attention function (`kvtrim.attention`) takes it with
+# `take_pending_layer(module.layer_idx)` and, once the layer's output is computed, calls
+# `layer.after_attention(queries, probs, scaling)`. A weak reference: a cache deleted before its
+# attention ran is not kept alive by it.
+_PENDING_LAYER: ContextVar[weakref.ref | None] = ContextVar("kvtrim_pending_layer", default=None)
+
+
+def _pending() -> TrimLayer | None:
+    ref = _PENDING_LAYER.get()
+    return None if ref is None else ref()
 
 
 def take_pending_layer(layer_idx: int) -> TrimLayer | None:
     """Return (and clear) the layer waiting for its attention, if it is layer `layer_idx`."""
-    layer = _PENDING_LAYER.get()
+    layer = _pending()
     if layer is None or layer.layer_idx != layer_idx:
         return None
     _PENDING_LAYER.set(None)
@@ -90,29 +102,77 @@ class TrimLayer(DynamicLayer):
         keys, values: `(batch, kv_heads, n_stored, head_dim)`.
         positions: `(batch, kv_heads, n_stored)` LongTensor, original position of each entry.
         seen: tokens seen by this layer. `peak`: largest number of entries ever held (transients included).
+        prompt_tokens: the prompt's length once it ended (None while the prompt is open).
         state: the method's per-layer state.
+
+    Phases (see `kvtrim.methods.base`): a forward's phase is the one its cache declared
+    (`TrimCache.phase(...)`, used by `kvtrim.prefill` / `kvtrim.compress`), else inferred: while the
+    prompt is open every multi-token forward (and the very first forward) is a prompt block; the first
+    single-token forward after it is a decode step and ends the prompt first; after the prompt,
+    multi-token forwards are appends and single tokens decode steps.
     """
 
     is_croppable = False
 
-    def __init__(self, method: EvictionMethod, layer_idx: int, owner: object | None = None):
+    def __init__(self, method: EvictionMethod, layer_idx: int, owner: TrimCache | None = None):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
-        self.owner = owner  # the TrimCache holding this layer
+        self._owner = None if owner is None else weakref.ref(owner)
         self.positions: torch.Tensor | None = None
         self.seen = 0
         self.peak = 0
         self.evictions = 0
+        self.prompt_tokens: int | None = None
         self.state = method.new_state(layer_idx)
-        self.attn_scaling: float | None = None  # set by `after_attention`
+        self.attn_scaling: float | None = None  # the softmax scale handed over by kvtrim's attention
         self._awaiting_attention = False
+        self._forward = (Phase.PREFILL, False, 0)  # (phase, ends the prompt, entries appended) of this forward
+        self._prompt_queries: torch.Tensor | None = None  # kept for a deferred prompt end
+
+    @property
+    def owner(self) -> TrimCache | None:
+        return None if self._owner is None else self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         b, h = key_states.shape[:2]
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
 
+    # ---- phases ------------------------------------------------------------------------------
+    def _phase_of(self, q: int) -> tuple[Phase, bool]:
+        owner = self.owner
+        declared = None if owner is None else owner._declared
+        if declared is not None:
+            phase, ends = declared
+            check(phase is not Phase.PREFILL or self.prompt_tokens is None,
+                  "the prompt of this cache already ended: later forwards are appends or decode steps")
+            return phase, ends
+        if self.prompt_tokens is None and (q > 1 or self.seen == 0):
+            return Phase.PREFILL, False
+        return (Phase.APPEND if q > 1 else Phase.DECODE), False
+
+    def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None) -> LayerView:
+        """The read-only view a method gets, for the current forward."""
+        phase, ends, n_new = self._forward
+        return LayerView(
+            keys=self.keys, values=self.values, positions=self.positions, layer_idx=self.layer_idx,
+            seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
+            state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling,
+        )
+
+    def end_prompt(self) -> None:
+        """End the prompt now (deferred end): one-shot methods compress what is stored. Idempotent."""
+        if self.prompt_tokens is not None:
+            return
+        self.prompt_tokens = self.seen
+        if not self.is_initialized:
+            return
+        self._forward = (Phase.PREFILL, True, 0)
+        queries, self._prompt_queries = self._prompt_queries, None
+        self.evict(self.method.on_prompt_end(self.view(queries=queries)))
+
+    # ---- the forward ---------------------------------------------------------------------------
     def update(
         self,
         key_states: torch.Tensor,
@@ -127,7 +187,7 @@ class TrimLayer(DynamicLayer):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        previous = _PENDING_LAYER.get()
+        previous = _pending()
         unanswered = self._awaiting_attention or (
             previous is not None and previous is not self and previous._awaiting_attention
             and previous.owner is not None and previous.owner is self.owner
@@ -138,6 +198,9 @@ class TrimLayer(DynamicLayer):
                 "or load the model with kvtrim.load_model()"
             )
         b, h, q = key_states.shape[:3]
+        phase, ends = self._phase_of(q)
+        if phase is not Phase.PREFILL:
+            self.end_prompt()
         if positions is None:
             positions = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -145,11 +208,14 @@ class TrimLayer(DynamicLayer):
         self.positions = torch.cat([self.positions, positions[:, None, :].expand(b, h, q)], dim=-1)
         self.seen += q
         self.peak = max(self.peak, self.keys.shape[-2])
+        if ends:
+            self.prompt_tokens = self.seen
+        self._forward = (phase, ends, q)
         full_keys, full_values = self.keys, self.values
 
-        self._evict(self.method.on_update(self, q))
-        self._awaiting_attention = self.method.needs_queries or self.method.needs_attention
-        _PENDING_LAYER.set(self)
+        self.evict(self.method.on_update(self.view()))
+        self._awaiting_attention = self.method.waits_for_attention
+        _PENDING_LAYER.set(weakref.ref(self))  # also lets kvtrim's attention check the layer kind
         return full_keys, full_values
 
     @property
@@ -162,12 +228,28 @@ class TrimLayer(DynamicLayer):
     ) -> None:
         """Called by kvtrim's attention function once this layer's attention output is computed.
 
-        `scaling`: the softmax scale the layer used (kept as `attn_scaling` for methods that recompute q.K)."""
+        `queries`: `(batch, q_heads, q, head_dim)` post-RoPE; `attention`: `(batch, q_heads, 1, n)`
+        probabilities of a single-token step (methods with `needs_attention`), else None; `scaling`: the
+        softmax scale the layer used."""
         self._awaiting_attention = False
+        if _pending() is self:
+            _PENDING_LAYER.set(None)
         self.attn_scaling = scaling
-        self._evict(self.method.on_attention(self, queries, attention))
+        phase, ends, _ = self._forward
+        tail = self.method.prompt_queries()
+        if phase is Phase.PREFILL and not ends and tail and queries is not None:
+            self._prompt_queries = queries[:, :, -tail:]  # for a deferred end of the prompt
+        self.evict(self.method.on_attention(self.view(queries=queries, attention=attention)))
 
-    def _evict(self, keep: torch.Tensor | None) -> None:
+    def cancel_attention(self) -> None:
+        """Stop waiting for an attention hand-off that will not come (e.g. a model without kvtrim attention)."""
+        self._awaiting_attention = False
+        if _pending() is self:
+            _PENDING_LAYER.set(None)
+
+    def evict(self, keep: torch.Tensor | None) -> None:
+        """Reduce the layer to the kept entries `keep` `(batch, kv_heads, n_keep)` (sorted; None: keep all):
+        one `index_select` of keys, values and positions into new, smaller tensors, and the state."""
         if keep is None:
             return
         rows = flat_rows(keep, self.keys.shape[2])
@@ -197,14 +279,18 @@ class TrimLayer(DynamicLayer):
         super().reset()
         self.positions = None
         self.seen = self.peak = self.evictions = 0
+        self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
-        self._awaiting_attention = False
+        self._prompt_queries = None
+        self.cancel_attention()
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
         self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
         self.state = _map_tensors(self.state, fn)
+        if self._prompt_queries is not None:
+            self._prompt_queries = fn(self._prompt_queries)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -214,6 +300,17 @@ class TrimLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices, ...])
+
+    def copy(self, owner: TrimCache | None = None) -> TrimLayer:
+        """An independent copy (tensors cloned, state deep-copied) belonging to `owner`."""
+        check(not self._awaiting_attention, "cannot copy a cache layer in the middle of a forward")
+        new = copy.copy(self)
+        new._owner = None if owner is None else weakref.ref(owner)
+        for name in ("keys", "values", "positions", "_prompt_queries"):
+            value = getattr(self, name)
+            setattr(new, name, None if value is None else value.clone())
+        new.state = copy.deepcopy(self.state)
+        return new
 
 
 @dataclass
@@ -262,7 +359,12 @@ class TrimCache(Cache):
             layers are left alone (they already bound themselves); only full-attention layers evict.
             Without it, every layer is created lazily as an evicting layer.
 
-    Use: `model.generate(input_ids, past_key_values=TrimCache(LagKV(), config=model.config))`.
+    Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))`.
+
+    The prompt: everything before the first generated token, unless told otherwise. `kvtrim.prefill`
+    and `kvtrim.compress` declare their forwards (`phase(...)`) and end the prompt themselves; after a
+    plain `model(ids, cache=cache)` call the prompt ends at the first single-token forward, or when
+    `end_prompt()` is called. Later multi-token forwards are appends (a question, a new turn).
     """
 
     def __init__(self, method: EvictionMethod | None = None, config=None):
@@ -285,6 +387,43 @@ class TrimCache(Cache):
             super().__init__(layer_class_to_replicate=DynamicLayer)  # only used for its bookkeeping
         self._step_key: tuple[int, int] | None = None
         self._step_positions: torch.Tensor | None = None
+        self._declared: tuple[Phase, bool] | None = None
+
+    # ---- phases ------------------------------------------------------------------------------
+    @contextmanager
+    def phase(self, phase: Phase, ends_prompt: bool = False):
+        """Declare the phase of the forwards run inside the block (`ends_prompt`: this forward is the
+        prompt's last). `with cache.phase(Phase.PREFILL, ends_prompt=True): model(ids, cache=cache)`."""
+        check(isinstance(phase, Phase), f"phase must be a kvtrim Phase, got {phase!r}")
+        check(not ends_prompt or phase is Phase.PREFILL, "only a prompt forward (Phase.PREFILL) can end the prompt")
+        previous, self._declared = self._declared, (phase, ends_prompt)
+        try:
+            yield self
+        finally:
+            self._declared = previous
+
+    @property
+    def prompt_ended(self) -> bool:
+        """True once the prompt ended (appends and decode steps follow)."""
+        layers = self.trim_layers()
+        return bool(layers) and all(layer.prompt_tokens is not None for layer in layers)
+
+    def end_prompt(self) -> None:
+        """End the prompt now: one-shot methods compress what every layer stores (idempotent)."""
+        for layer in self.trim_layers():
+            layer.end_prompt()
+
+    def trim_layers(self) -> list[TrimLayer]:
+        """The evicting layers (sliding-window layers of hybrid models excluded)."""
+        return [layer for layer in self.layers if isinstance(layer, TrimLayer)]
+
+    def copy(self) -> TrimCache:
+        """An independent copy: asking it a question leaves this cache unchanged."""
+        new = copy.copy(self)
+        new.layers = [layer.copy(owner=new) if isinstance(layer, TrimLayer) else copy.deepcopy(layer)
+                      for layer in self.layers]
+        new._declared = None
+        return new
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:

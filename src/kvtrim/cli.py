@@ -1,7 +1,12 @@
 """`kvtrim` command line: generate | methods | models (| eval | bench, when those modules exist).
 
-Method hyper-parameters become flags automatically: every dataclass field of every registered method
-is a `--field-name` option; a flag the chosen method does not have is a one-line error.
+Methods are named with the one spec syntax of `kvtrim.specs` (`--method lagkv:lag_size=64`). In
+`generate`, every dataclass field of every registered method is also a `--field-name` flag (sugar for
+the same parameter); a flag the chosen method does not have is a one-line error.
+
+User-defined methods: `kvtrim --plugin my_module ...` imports `my_module` first (it calls
+`kvtrim.register_method`), and installed packages can register through the `kvtrim.methods` entry
+point group; either way the method is then available to every subcommand by name.
 """
 
 from __future__ import annotations
@@ -12,19 +17,20 @@ import importlib
 import json
 import sys
 
-from kvtrim.methods import METHODS, make_method, method_params, param_type
+from kvtrim.methods import METHODS, method_params, param_type
 from kvtrim.methods.base import KvtrimError
 
 # subcommands living in their own modules: each module defines `add_parser(subparsers)`
 # whose parser sets `func`; a missing module simply means the subcommand is not built yet
 PLUGIN_COMMANDS = ("kvtrim.eval.cli", "kvtrim.bench.cli")
+ENTRY_POINT_GROUP = "kvtrim.methods"
 
 
 def _parse_tuple(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split("+") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+        raise argparse.ArgumentTypeError(f"expected integers joined by +, got '{text}'") from None
 
 
 def _parse_bool(text: str) -> bool:
@@ -39,9 +45,11 @@ _CONVERTERS = {int: int, float: float, str: str, bool: _parse_bool, tuple: _pars
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--method NAME` plus one flag per method hyper-parameter (union over all methods)."""
-    parser.add_argument("--method", default="full", help=f"eviction method: {', '.join(METHODS)} (default: full)")
-    group = parser.add_argument_group("method parameters (see `kvtrim methods`)")
+    """`--method SPEC` plus one flag per method hyper-parameter (union over all methods)."""
+    parser.add_argument("--method", default="full",
+                        help=f"eviction method spec NAME[:param=value...], NAME one of {', '.join(METHODS)} "
+                             "(default: full)")
+    group = parser.add_argument_group("method parameters (sugar for NAME:param=value; see `kvtrim methods`)")
     seen: set[str] = set()
     for cls in METHODS.values():
         for f in method_params(cls):
@@ -56,8 +64,18 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def method_from_args(args: argparse.Namespace):
-    params = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
-    return make_method(args.method, **params)
+    """The method of `--method SPEC` plus the per-parameter flags (a parameter given both ways is an error)."""
+    from kvtrim.specs import parse_method_spec
+
+    spec = parse_method_spec(args.method)
+    flags = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
+    known = {f.name for f in method_params(spec.cls)}
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        raise KvtrimError(
+            f"method '{spec.name}' has no parameter {', '.join(unknown)}; its parameters: {', '.join(sorted(known)) or 'none'}"
+        )
+    return spec.with_params(**flags).build()
 
 
 def _read_prompt(args) -> str:
@@ -116,7 +134,9 @@ def cmd_methods(args) -> int:
         print(f"{name:<12} {cls.summary}")
         for f in method_params(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            print(f"    --{f.name.replace('_', '-'):<22} {param_type(cls, f.name).__name__:<6} default {default!r}")
+            size = " (size)" if f.name in cls.size_params else ""
+            print(f"    {f.name:<24} {param_type(cls, f.name).__name__:<6} default {default!r}{size}")
+    print("\nspec syntax: NAME:param=value:param=value (lists: 0+1), e.g. lagkv:lag_size=64:skip_layers=0+1")
     return 0
 
 
@@ -130,11 +150,37 @@ def cmd_models(args) -> int:
     return 0
 
 
+def load_plugins(modules: list[str]) -> None:
+    """Import `--plugin` modules and the `kvtrim.methods` entry points (they register methods)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as err:  # a broken third-party plugin must not break the CLI
+            print(f"kvtrim: warning: entry point {ep.name} ({ep.value}) failed to load: {err}", file=sys.stderr)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise KvtrimError(f"--plugin {module}: {err}") from None
+
+
+def _plugin_modules(argv: list[str]) -> list[str]:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    return known.plugin
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtrim", description="KV-cache eviction for long-context inference")
+    parser = argparse.ArgumentParser(prog="kvtrim", description="KV-cache eviction for long-context inference",
+                                     allow_abbrev=False)
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first (it registers methods with kvtrim.register_method); repeatable")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate a completion with an evicting KV cache")
+    g = sub.add_parser("generate", help="generate a completion with an evicting KV cache", allow_abbrev=False)
     g.add_argument("--model", default="smollm2-135m", help="registry name, local model dir or hub id")
     add_method_arguments(g)
     src = g.add_mutually_exclusive_group()
@@ -151,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=cmd_generate)
 
-    sub.add_parser("methods", help="list eviction methods and their parameters").set_defaults(func=cmd_methods)
-    sub.add_parser("models", help="list the named offline models").set_defaults(func=cmd_models)
+    sub.add_parser("methods", help="list eviction methods and their parameters",
+                   allow_abbrev=False).set_defaults(func=cmd_methods)
+    sub.add_parser("models", help="list the named offline models", allow_abbrev=False).set_defaults(func=cmd_models)
 
     for module in PLUGIN_COMMANDS:
         try:
@@ -169,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep the CLI's stderr for our own messages
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        load_plugins(_plugin_modules(argv))
+    except KvtrimError as err:
+        print(f"kvtrim: error: {err}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

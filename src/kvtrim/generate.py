@@ -9,7 +9,6 @@ import torch
 from kvtrim.cache import CacheStats, TrimCache
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.models import check_fits
-from kvtrim.prefill import default_chunk_size
 
 
 @dataclass
@@ -50,7 +49,7 @@ def generate(
     check_fits(model.config, n, max_new_tokens)
     cache = cache if cache is not None else TrimCache(method, config=model.config)
     if prefill_chunk_size == "auto":
-        prefill_chunk_size = default_chunk_size(cache.method)
+        prefill_chunk_size = cache.method.prefill_block_size()
     if prefill_chunk_size is not None:
         generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
     generate_kwargs.setdefault("do_sample", False)
@@ -62,13 +61,14 @@ def generate(
         attention_mask=mask.to(model.device),
         cache=cache,
         max_new_tokens=max_new_tokens,
-        pad_token_id=generate_kwargs.pop("pad_token_id", None) or _pad_id(model),
+        pad_token_id=generate_kwargs.pop("pad_token_id", None) or pad_token_id(model),
         **generate_kwargs,
     )
     return out[:, n:], cache
 
 
-def _pad_id(model) -> int | None:
+def pad_token_id(model) -> int | None:
+    """The model's pad token id, else its (first) end-of-sequence id."""
     cfg = model.generation_config
     eos = cfg.eos_token_id
     return cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)

@@ -30,16 +30,8 @@ from collections.abc import Sequence
 import torch
 
 from kvtrim.cache import TrimCache, TrimLayer
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+from kvtrim.methods.base import KvtrimError, Phase, check
 from kvtrim.methods.lagkv import LagKV
-
-
-def default_chunk_size(method: EvictionMethod | None) -> int | None:
-    """The prefill chunk a method is designed for (KeyDiff: its `block_size`), or None (one shot)."""
-    if method is None or getattr(method, "compression_ratio", None) is not None:
-        return None  # ratio modes compress a one-shot prefill
-    size = getattr(method, "block_size", None)
-    return size if isinstance(size, int) and size >= 1 else None
 
 
 def lagkv_chunk_sizes(n: int, sink_size: int, lag_size: int) -> list[int]:
@@ -86,16 +78,23 @@ def prefill(
     cache: TrimCache,
     chunk_size: int | None = None,
     chunk_sizes: Sequence[int] | None = None,
+    end_prompt: bool = True,
 ) -> torch.Tensor:
     """Run `input_ids` `(batch, n)` through `model` into `cache`, one chunk per forward.
 
     Continues after whatever `cache` already holds (positions start at `cache.get_seq_length()`), so a
     prompt can be fed in several calls. Batches must be unpadded (TrimCache refuses padding).
 
+    Phases: while the cache's prompt is open, every chunk is a prompt block (`Phase.PREFILL`) and the last
+    one ends the prompt (unless `end_prompt=False`: more of the prompt follows in another call), so
+    one-shot methods compress right after it. Once the prompt ended, the chunks are appends
+    (`Phase.APPEND`: a question after a compressed context, a new turn).
+
     Args:
         chunk_size: tokens per forward; default: the cache method's block size (KeyDiff) when it has
-            one, else the whole prompt in one forward.
+            one, else the whole input in one forward.
         chunk_sizes: an explicit schedule instead (must add up to `n`), e.g. `lagkv_chunk_sizes(...)`.
+        end_prompt: end the prompt with the last chunk (ignored once the prompt ended).
     Returns:
         the logits of the last prompt token, `(batch, vocab)`.
 
@@ -106,7 +105,7 @@ def prefill(
     check(isinstance(cache, TrimCache), f"prefill needs a TrimCache, got {type(cache).__name__}")
     check(input_ids.ndim == 2 and input_ids.shape[-1] >= 1, "input_ids must be (batch, n) with n >= 1")
     if chunk_size is None and chunk_sizes is None:
-        chunk_size = default_chunk_size(cache.method)
+        chunk_size = cache.method.prefill_block_size()
     sizes = _chunk_sizes(input_ids.shape[-1], chunk_size, chunk_sizes)
     limit = getattr(model.config, "max_position_embeddings", None)
     start = cache.get_seq_length()
@@ -116,14 +115,17 @@ def prefill(
     )
     input_ids = input_ids.to(model.device)
     b = input_ids.shape[0]
+    phase = Phase.APPEND if cache.prompt_ended else Phase.PREFILL
     offset = 0
-    for size in sizes:
+    for i, size in enumerate(sizes):
         if size > 1:
             _check_equal_lengths(cache)
         block = input_ids[:, offset : offset + size]
         pos = cache.get_seq_length()
         positions = torch.arange(pos, pos + size, device=model.device).expand(b, size)
-        out = model(input_ids=block, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        ends = phase is Phase.PREFILL and end_prompt and i == len(sizes) - 1
+        with cache.phase(phase, ends_prompt=ends):
+            out = model(input_ids=block, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
         offset += size
     return out.logits[:, -1]
 

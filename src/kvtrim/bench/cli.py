@@ -8,22 +8,16 @@ import pathlib
 import shlex
 import sys
 
+from kvtrim.cli_args import lengths
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError, check
 
 DEFAULT_METHODS = ",".join(METHODS)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "bench", help="speed and memory per method and context length (vs the full cache, or vs kvpress)",
+        "bench", allow_abbrev=False, help="speed and memory per method and context length (vs the full cache, or vs kvpress)",
         description="Measure prefill time (and the part spent choosing what to evict), decode speed, stored "
                     "KV bytes and peak memory, per method and context length, interleaved; write JSON + plots.",
     )
@@ -32,10 +26,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated NAME[:param=value...] (default: every registered method at the "
                         "run's compression ratio); 'full' is always included")
-    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8192], help="prompt lengths in tokens")
+    p.add_argument("--lengths", type=lengths, default=[1024, 2048, 4096, 8192],
+                   help="prompt lengths in tokens, e.g. 1024,4k")
     p.add_argument("--compression-ratio", type=float, default=0.75,
                    help="fraction of the prompt's entries removed (methods built with at_budget)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded after the prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded after the prompt (all of them: "
+                   "the benchmark does not stop at end-of-sequence)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench", help="output folder (JSON + PNG)")
     p.add_argument("--name", default="bench", help="file name prefix inside --out")
@@ -66,16 +62,16 @@ def _command_line() -> str:
 
 
 def cmd_bench(args) -> int:
-    from kvtrim.bench.specs import parse_methods
+    from kvtrim.bench.runner import bench_methods
 
-    specs = parse_methods(args.methods)  # validate before loading the model
+    specs = bench_methods(args.methods)  # validate before loading the model
     out = pathlib.Path(args.out)
     if args.vs_kvpress:
         from kvtrim.bench.kvpress_compare import CompareConfig, run_compare
 
         check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
         cfg = CompareConfig(model=args.model, lengths=args.lengths, compression_ratio=args.compression_ratio,
-                            repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.new_tokens,
+                            repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.max_new_tokens,
                             kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed)
         run_compare(cfg, out, command=_command_line(), progress=lambda s: print(s, file=sys.stderr, flush=True))
         return 0
@@ -86,7 +82,7 @@ def cmd_bench(args) -> int:
 
     config = BenchConfig(
         model=args.model, methods=specs, lengths=args.lengths, compression_ratio=args.compression_ratio,
-        new_tokens=args.new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
+        new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
         warmup=not args.no_warmup, trace_length=args.trace_length, trace_decode=args.trace_decode, seed=args.seed,
         threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
     )

@@ -11,7 +11,7 @@ pair of equivalent methods this reports:
   kvpress: inside `press.compress`), medians over repeats that alternate between the two sides (and
   rotate the method order), each side with its own full cache as the reference (the two sides run
   different transformers versions);
-* passkey accuracy on the same `kvtrim.eval.passkey` samples (greedy, the key must appear in the answer),
+* passkey accuracy on the same `kvtrim.passkey` samples (greedy, the key must appear in the answer),
   and how often both sides produced the very same tokens.
 """
 
@@ -32,7 +32,8 @@ from kvtrim.cache import TrimCache
 from kvtrim.methods import KeyDiff, LagKV, SnapKV, StreamingLLM
 from kvtrim.methods.base import EvictionMethod, KvtrimError, check
 from kvtrim.methods.full import FullCache
-from kvtrim.prefill import default_chunk_size, prefill
+from kvtrim.decoding import greedy_decode
+from kvtrim.prefill import prefill
 
 SCHEMA = "kvtrim.bench.kvpress/1"
 
@@ -141,7 +142,7 @@ def kvtrim_prefill(model, ids: torch.Tensor, method: EvictionMethod):
     (last logits, cache, prefill seconds, eviction seconds)."""
     timer = EvictionTimer("cpu")
     cache = timer.attach(TrimCache(timer.instrument(method), config=model.config))
-    size = default_chunk_size(method)
+    size = method.prefill_block_size()
     t0 = time.perf_counter()
     logits = prefill(model, ids, cache, chunk_size=size)
     seconds = time.perf_counter() - t0
@@ -157,13 +158,6 @@ def kept_positions(cache: TrimCache) -> list[list[list[int]]]:
         pos = layer.positions[0]
         out.append([sorted(pos[h].tolist()) for h in range(pos.shape[0])])
     return out
-
-
-@torch.no_grad()
-def greedy(model, cache: TrimCache, logits: torch.Tensor, new_tokens: int) -> list[int]:
-    from kvtrim.bench.runner import decode
-
-    return decode(model, cache, logits, new_tokens - 1)[0].tolist()
 
 
 def kvtrim_kept_and_answers(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig) -> dict:
@@ -184,8 +178,8 @@ def kvtrim_kept_and_answers(model, prompts: list[dict], pairs: list[Pair], cfg: 
         ids = torch.tensor([p["ids"]])
         for pair in pairs:
             logits, cache, _, _ = kvtrim_prefill(model, ids, pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio))
-            out["answers"].append({"press": pair.name, "prompt": p["id"], "tokens": greedy(model, cache, logits,
-                                                                                          cfg.new_tokens)})
+            out["answers"].append({"press": pair.name, "prompt": p["id"], "tokens": greedy_decode(model, cache, logits,
+                                                                                                cfg.new_tokens, set())})
     return out
 
 
@@ -261,7 +255,7 @@ def markdown(result: dict) -> str:
         f"{meta['repeats']} interleaved repeats (medians), {meta['threads']} torch threads. kvtrim {meta['kvtrim_env']['kvtrim']} on "
         f"transformers {meta['kvtrim_env']['transformers']}; kvpress {meta['kvpress_env']['kvpress']} on transformers "
         f"{meta['kvpress_env']['transformers']} (its own venv); torch {meta['kvtrim_env']['torch']} on both. "
-        f"Passkey: `kvtrim.eval.passkey.passkey_samples` (seed {meta['seed']}), greedy, {meta['new_tokens']} tokens, the "
+        f"Passkey: `kvtrim.passkey.passkey_samples` (seed {meta['seed']}), greedy, {meta['new_tokens']} tokens, the "
         "key must appear in the answer. Compress = kvtrim's scoring + gather / the time inside kvpress's "
         "`press.compress`.", "",
         "| tokens | method (kvpress press) | Jaccard mean (min) | heads identical | compress ms kvtrim / kvpress "
@@ -308,7 +302,7 @@ def run_compare(cfg: CompareConfig, out_dir: str | pathlib.Path, command: str = 
     import transformers
 
     from kvtrim.bench.summary import write_json
-    from kvtrim.eval.passkey import passkey_samples
+    from kvtrim.passkey import passkey_samples
     from kvtrim.models import load_model, resolve_model_dir
 
     pairs = [PAIR_BY_NAME[n] for n in cfg.pairs]

@@ -18,12 +18,12 @@ from typing import Callable
 import torch
 
 from kvtrim.bench.memory import PeakMemory
-from kvtrim.bench.specs import MethodSpec
+from kvtrim.specs import MethodSpec, parse_method_spec, parse_method_specs
 from kvtrim.bench.timing import EvictionTimer
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, KvtrimError, check
 from kvtrim.methods.lagkv import LagKV
-from kvtrim.prefill import default_chunk_size, lagkv_chunk_sizes, prefill
+from kvtrim.prefill import lagkv_chunk_sizes, prefill
 
 SCHEMA = "kvtrim.bench/1"
 
@@ -63,6 +63,15 @@ class BenchConfig:
         return d
 
 
+def bench_methods(text: str | list[str]) -> list[MethodSpec]:
+    """The benchmark's method columns: the specs given, with `full` first when missing (every ratio and
+    speed-up is against it)."""
+    specs = parse_method_specs(text)
+    if not any(spec.is_full for spec in specs):
+        specs.insert(0, parse_method_spec("full"))
+    return specs
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -79,7 +88,7 @@ def prompt_ids(tokenizer, n_tokens: int, seed: int = 0, vocab_size: int | None =
     if tokenizer is None:
         gen = torch.Generator().manual_seed(seed + n_tokens)
         return torch.randint(0, vocab_size or 1000, (1, n_tokens), generator=gen)
-    from kvtrim.eval.passkey import passkey_samples
+    from kvtrim.passkey import passkey_samples
 
     sample = passkey_samples(tokenizer, n_tokens, 1, seed=seed)[0]
     ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
@@ -95,7 +104,7 @@ def fitted_length(model, n_tokens: int, new_tokens: int) -> int:
 def prefill_schedule(method: EvictionMethod, n: int) -> tuple[list[int], str]:
     """How the benchmark feeds a prompt of `n` tokens: the method's own block size when it has one
     (KeyDiff budget mode: the paper's block-wise prefill), else one forward."""
-    size = default_chunk_size(method)
+    size = method.prefill_block_size()
     if size is None or size >= n:
         return [n], "one-shot"
     return [min(size, n - s) for s in range(0, n, size)], f"blocks of {size}"
@@ -134,8 +143,8 @@ def _feed(model, ids: torch.Tensor, cache: TrimCache, sizes: list[int],
         return prefill(model, ids, cache, chunk_sizes=sizes)
     offset, logits = 0, None
     for size in sizes:
-        logits = prefill(model, ids[:, offset : offset + size], cache)
         offset += size
+        logits = prefill(model, ids[:, offset - size : offset], cache, end_prompt=offset == ids.shape[-1])
         each_chunk()
     return logits
 

@@ -1,7 +1,8 @@
 """Opt-in timing of the eviction work inside a `TrimCache`: scoring (the method's hooks) and gather.
 
-`EvictionTimer.instrument(method)` returns a copy of `method` whose `on_update` / `on_attention` hooks
-are timed; `EvictionTimer.attach(cache)` times every `TrimLayer._evict` (the gather of keys, values,
+`EvictionTimer.instrument(method)` returns a copy of `method` whose hooks (`on_update`, `on_attention`,
+`on_prompt_end`)
+are timed; `EvictionTimer.attach(cache)` times every `TrimLayer.evict` (the gather of keys, values,
 positions and the method's state). Both wrap instance attributes of objects the benchmark built itself,
 so nothing global is patched and a normal run (no timer) pays nothing.
 
@@ -9,7 +10,7 @@ What is timed, per phase ("prefill", "decode"):
 * `score`: the method's hooks, i.e. everything the method does to decide what to keep (for
   attention-based methods this includes recomputing window attention from the handed-over queries,
   but not the attention the model computes anyway);
-* `gather`: building the smaller tensors from the kept indices (`TrimLayer._evict`).
+* `gather`: building the smaller tensors from the kept indices (`TrimLayer.evict`).
 The appends (`torch.cat` in `TrimLayer.update`) are not eviction work: a full cache does them too.
 
 Clocks: on CPU `time.perf_counter` (or an injected clock, for tests); on CUDA a pair of CUDA events per
@@ -53,7 +54,7 @@ class EvictionTimer:
         self._seconds: dict[tuple[str, str], float] = defaultdict(float)
         self._events: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self.evictions: dict[str, int] = defaultdict(int)  # _evict calls that removed entries
+        self.evictions: dict[str, int] = defaultdict(int)  # evict calls that removed entries
         self._layers: list[TrimLayer] = []
         self._held: dict[int, int] = {}  # id(layer) -> entries last seen
         self._held_total = 0
@@ -84,6 +85,7 @@ class EvictionTimer:
         timed = copy.copy(method)
         timed.on_update = self._timed("score", method.__class__.on_update.__get__(timed))
         timed.on_attention = self._timed("score", method.__class__.on_attention.__get__(timed))
+        timed.on_prompt_end = self._timed("score", method.__class__.on_prompt_end.__get__(timed))
         return timed
 
     def attach(self, cache: TrimCache) -> TrimCache:
@@ -91,7 +93,7 @@ class EvictionTimer:
         for layer in cache.layers:
             if isinstance(layer, TrimLayer) and layer not in self._layers:
                 self._layers.append(layer)
-                layer._evict = self._tracked(layer, self._timed("gather", layer._evict))
+                layer.evict = self._tracked(layer, self._timed("gather", layer.evict))
         return cache
 
     def _tracked(self, layer: TrimLayer, evict: Callable) -> Callable:
@@ -115,7 +117,7 @@ class EvictionTimer:
     def detach(self) -> None:
         """Remove the wrappers from the layers (they reference their layer: a cycle refcounting cannot free)."""
         for layer in self._layers:
-            layer.__dict__.pop("_evict", None)
+            layer.__dict__.pop("evict", None)
         self._layers.clear()
 
     def wrapped_layers(self) -> int:

@@ -6,9 +6,8 @@ Modules (one job each):
     sample, prompt    the sample record + JSONL task files; turning a sample into token ids
     fit               sizing samples to a target length in the model's own tokens
     scoring           RULER's string_match_all / string_match_part, passkey exact / partial
-    specs             method specs (`lagkv:lag_size=64`) built per compression ratio via `at_budget`
-    reuse             prefill once, replay the stored K/V into each method's cache
-    decode, runner    greedy answers; the sweep, resumable through results.jsonl
+    runner            the sweep (methods from `kvtrim.specs`, contexts compressed with `kvtrim.compress`,
+                      one shared prefill replayed for every one-shot method), resumable through results.jsonl
     report, presets   summary.csv / summary.md / PNG plots; named sweeps; cli: `kvtrim eval`
 
 Python use:
@@ -24,7 +23,7 @@ from kvtrim.eval.report import write_report
 from kvtrim.eval.runner import Runner, RunSettings, plan
 from kvtrim.eval.sample import Sample, read_task_file, write_task_file
 from kvtrim.eval.scoring import score_prediction, string_match_all, string_match_part
-from kvtrim.eval.specs import build_method, parse_method_specs
+from kvtrim.specs import parse_method_specs
 from kvtrim.eval.tasks import TASKS, generate_samples
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "RunSettings",
     "Runner",
     "Sample",
-    "build_method",
     "generate_samples",
     "parse_method_specs",
     "plan",

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from kvtrim.cli_args import floats, lengths, names
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError, check
 
@@ -14,49 +15,30 @@ DEFAULT_RATIOS = [0.5, 0.75]
 DEFAULT_LENGTHS = [2048]
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
-
-
-def _ints(text: str) -> list[int]:
-    """`1024,4k,16k` -> [1024, 4096, 16384] (k = 1024, as RULER's 4k / 16k)."""
-    try:
-        return [int(x.strip()[:-1]) * 1024 if x.strip().lower().endswith("k") else int(x)
-                for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from kvtrim.eval.presets import PRESETS
     from kvtrim.eval.tasks import TASKS
 
     p = subparsers.add_parser(
-        "eval", help="offline long-context evaluation (RULER-style tasks, passkey, NIAH) across methods and ratios",
+        "eval", allow_abbrev=False, help="offline long-context evaluation (RULER-style tasks, passkey, NIAH) across methods and ratios",
         description="Evaluate eviction methods x compression ratios on synthetic long-context tasks (or a task "
                     "file). Results go to OUT/results.jsonl (resumable), OUT/summary.csv, OUT/summary.md and PNG plots.",
     )
     p.add_argument("--preset", choices=list(PRESETS), help="a named sweep (flags given explicitly override it)")
     p.add_argument("--model", help="registry name, local model dir or hub id (default: smollm2-135m)")
-    p.add_argument("--methods", type=_names,
+    p.add_argument("--methods", type=names,
                    help="comma-separated method specs NAME[:param=value...] (default: all registered: "
                         f"{', '.join(METHODS)}); placeholders {{ratio}} / {{budget}} allowed")
-    p.add_argument("--ratios", type=_floats, help=f"compression ratios in [0, 1) (default: {DEFAULT_RATIOS})")
+    p.add_argument("--compression-ratios", dest="ratios", type=floats,
+                   help=f"compression ratios in [0, 1) (default: {','.join(map(str, DEFAULT_RATIOS))})")
     p.add_argument("--compression", choices=["at-budget", "ratio"],
                    help="how a method is configured for a ratio: at-budget (default: cls.at_budget(budget, n)) or "
                         "ratio (compression_ratio= where the method has it, kvpress's convention)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--tasks", type=_names, help=f"tasks: {', '.join(TASKS)}")
+    src.add_argument("--tasks", type=names, help=f"tasks: {', '.join(TASKS)}")
     src.add_argument("--task-file", help="JSONL file of samples (context, question, answers, max_new_tokens, ...)")
-    p.add_argument("--lengths", type=_ints, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
-    p.add_argument("--depths", type=_floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
+    p.add_argument("--lengths", type=lengths, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
+    p.add_argument("--depths", type=floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
     p.add_argument("--samples", type=int, help="samples per task and length (per depth for passkey / niah; default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators (default 0)")
     p.add_argument("--query-aware", action="store_true", default=None,
@@ -112,12 +94,12 @@ def _resolve(args) -> dict:
 
 
 def _validate(cfg: dict, args) -> None:
-    from kvtrim.eval.specs import parse_method_specs
+    from kvtrim.specs import parse_method_specs
     from kvtrim.eval.tasks import check_tasks
 
     check(cfg["ratios"] and all(0 <= r < 1 for r in cfg["ratios"]),
-          f"--ratios must be in [0, 1), got {cfg['ratios']}")
-    check(len(set(cfg["ratios"])) == len(cfg["ratios"]), "--ratios has duplicates")
+          f"--compression-ratios must be in [0, 1), got {cfg['ratios']}")
+    check(len(set(cfg["ratios"])) == len(cfg["ratios"]), "--compression-ratios has duplicates")
     if cfg["tasks"] is not None:
         check_tasks(cfg["tasks"])
     check(all(L >= 1 for L in cfg["lengths"]), f"--lengths must be positive, got {cfg['lengths']}")

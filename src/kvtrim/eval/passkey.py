@@ -1,54 +1,13 @@
-"""Passkey retrieval (Landmark / LongLoRA style), generated offline and sized in the model's tokens."""
+"""Passkey retrieval as evaluation samples (the prompts themselves: `kvtrim.passkey`)."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kvtrim.passkey import passkey_context, random_key  # noqa: F401  (random_key: re-exported for tasks)
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtrim.eval.sample import Sample
-
-INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there.\n\n"
-)
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key? The pass key is"
-
-
-@dataclass
-class PasskeySample:
-    prompt: str
-    key: str
-    depth: float  # 0 = start of the haystack, 1 = right before the question
-    n_tokens: int
-
-
-def random_key(rng: random.Random, digits: int = 5) -> str:
-    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
-
-
-def passkey_prompt(n_fillers: int, depth: float, key: str) -> str:
-    split = round(depth * n_fillers)
-    return INTRO + FILLER * split + NEEDLE.format(key=key) + FILLER * (n_fillers - split) + QUESTION
-
-
-def make_passkey(tokenizer, target_tokens: int, depth: float, key: str) -> PasskeySample:
-    """A passkey prompt whose token count is as close to `target_tokens` as whole filler sentences allow."""
-    count = lambda n: len(tokenizer(passkey_prompt(n, depth, key)).input_ids)  # noqa: E731
-    per_filler = max(1, count(11) - count(10))
-    n = max(0, (target_tokens - count(0)) // per_filler)
-    prompt = passkey_prompt(n, depth, key)
-    return PasskeySample(prompt, key, depth, count(n))
-
-
-def passkey_samples(tokenizer, target_tokens: int, trials: int, seed: int = 0, digits: int = 5) -> list[PasskeySample]:
-    """`trials` samples with depths evenly spaced over [0, 1] and seeded random keys."""
-    rng = random.Random(seed)
-    depths = [i / (trials - 1) if trials > 1 else 0.5 for i in range(trials)]
-    return [make_passkey(tokenizer, target_tokens, d, random_key(rng, digits)) for d in depths]
 
 
 # ---- as evaluation samples (kvtrim eval) --------------------------------------------------------------
@@ -70,8 +29,7 @@ def passkey_eval_sample(task: str, sample_id: str, key: str, depth: float, n_fil
     """A passkey sample split for the eval harness: `context` holds the haystack and the needle."""
     from kvtrim.eval.sample import Sample
 
-    split = round(depth * n_fillers)
-    context = INTRO + FILLER * split + NEEDLE.format(key=key) + FILLER * (n_fillers - split) + "\n\n"
+    context = passkey_context(n_fillers, depth, key)
     return Sample(
         id=sample_id, task=task, context=context, question=PASSKEY_QUESTION, answers=[key],
         max_new_tokens=passkey_max_new_tokens(len(key)), answer_prefix=PASSKEY_ANSWER_PREFIX,

@@ -3,12 +3,13 @@
 Per sample:
 1. encode it (`PromptFormat`): the compressed part (context; or context + question with
    `query_aware`) and the part fed after compression (question + answer prefix; or nothing);
-2. if some pending method can reuse a prefill (`kvtrim.eval.reuse`), run the compressed part once
-   into a full cache (recording queries when a method needs them);
-3. for each pending (method, ratio): build the method (`kvtrim.eval.specs.build_method`), get its
-   cache by replaying the shared prefill or by prefilling directly (block-wise for methods that prefill
-   block by block), measure the achieved compression from the cache, feed the question, decode greedily,
-   score, and append one row to `results.jsonl` at once.
+2. if several pending methods can reuse a prefill, compress the context once into a full cache
+   (`kvtrim.compress(..., FullCache(), record_queries=...)`, recording queries when a method needs them);
+3. for each pending (method, ratio): build the method (`MethodSpec.build`), compress the context with it
+   (`CompressedContext.recompress` of the shared prefill, exact for one-shot prefills, or
+   `kvtrim.compress` directly: block-wise for methods that prefill block by block), measure the
+   achieved compression, feed the question (an append), decode greedily, score, and append one row to
+   `results.jsonl` at once.
 
 Rows are keyed by `sample id | method label | compression ratio`; rows already in `results.jsonl` are
 skipped, so an interrupted run resumes where it stopped. `run.json` records the settings that change
@@ -25,14 +26,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtrim.eval.decode import eos_ids, forward_last_logits, greedy_decode
+from kvtrim.attention import is_enabled
+from kvtrim.compress import CompressedContext, compress
+from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode
 from kvtrim.eval.prompt import PromptFormat
-from kvtrim.eval.reuse import SharedPrefill, replay, reuses_prefill, shared_prefill, waits_for_attention
 from kvtrim.eval.sample import Sample
 from kvtrim.eval.scoring import score_prediction
-from kvtrim.eval.specs import MethodSpec, build_method, context_budget
-from kvtrim.methods.base import KvtrimError, check
-from kvtrim.prefill import prefill
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check, kept_count
+from kvtrim.methods.full import FullCache
+from kvtrim.specs import MethodSpec
 
 RESULTS = "results.jsonl"
 RUN_FILE = "run.json"
@@ -120,6 +122,7 @@ class Runner:
     out_dir: str
     progress: bool = True
     _stop: set[int] = field(default_factory=set)
+    _shared_queries: bool = False
 
     def __post_init__(self):
         self.fmt = PromptFormat(self.tokenizer, chat=self.settings.chat)
@@ -133,35 +136,33 @@ class Runner:
             return torch.cat([prefix, suffix], dim=-1), suffix[:, :0]
         return prefix, suffix
 
-    def _direct_cache(self, method, compressed: torch.Tensor):
-        from kvtrim.cache import TrimCache
-
-        cache = TrimCache(method, config=self.model.config)
-        logits = prefill(self.model, compressed, cache, chunk_size=self.settings.prefill_chunk_size)
-        return cache, logits
+    def build(self, job: Job, n: int) -> EvictionMethod:
+        return job.spec.build(n, job.compression_ratio, self.settings.compression)
 
     def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
-                shared: SharedPrefill | None) -> dict:
+                shared: CompressedContext | None) -> dict:
         sample, n = job.sample, compressed.shape[-1]
         row = {
             "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
             "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
-            "compression_ratio": job.compression_ratio, "budget": context_budget(n, job.compression_ratio),
+            "compression_ratio": job.compression_ratio, "budget": kept_count(n, job.compression_ratio),
             "compressed_tokens": n, "prompt_tokens": n + after.shape[-1], "query_aware": self.settings.query_aware,
             "metric": sample.metric, "answers": sample.answers,
         }
         try:
-            method = build_method(job.spec, job.compression_ratio, n, self.settings.compression)
-        except (KvtrimError, NotImplementedError) as err:
-            row.update(skipped=str(err) or type(err).__name__)
+            method = self.build(job, n)
+        except KvtrimError as err:
+            row.update(skipped=str(err))
             return row
         row["method_config"] = method.describe()
         start = time.perf_counter()
         reused = shared is not None and self._can_reuse(method, shared)
         if reused:
-            cache, logits = replay(shared, method, self.model.config), shared.logits
+            ctx = shared.recompress(method)
         else:
-            cache, logits = self._direct_cache(method, compressed)
+            ctx = compress(self.model, compressed, method,
+                           chunk_size=self.settings.prefill_chunk_size or "auto")
+        cache, logits = ctx.cache, ctx.logits  # one question per compression: no copy needed
         stats = cache.stats()
         if after.shape[-1]:
             logits = forward_last_logits(self.model, after, cache)
@@ -185,10 +186,14 @@ class Runner:
         )
         return row
 
-    def _can_reuse(self, method, shared: SharedPrefill) -> bool:
-        if not reuses_prefill(method, self.settings.prefill_chunk_size):
+    def _reusable(self, method: EvictionMethod) -> bool:
+        """True when `method`'s cache after a shared one-shot prefill equals its own compression."""
+        return self.settings.prefill_chunk_size is None and method.prefill_block_size() is None
+
+    def _can_reuse(self, method: EvictionMethod, shared: CompressedContext) -> bool:
+        if not self._reusable(method):
             return False
-        return shared.has_queries or not waits_for_attention(method)
+        return not method.waits_for_attention or self._shared_queries
 
     def _wants_shared(self, jobs: list[Job], n: int) -> tuple[bool, bool]:
         """(run a shared prefill?, capture queries?) for the pending jobs of one sample."""
@@ -197,13 +202,13 @@ class Runner:
         methods = []
         for job in jobs:
             try:
-                methods.append(build_method(job.spec, job.compression_ratio, n, self.settings.compression))
-            except (KvtrimError, NotImplementedError):
+                methods.append(self.build(job, n))
+            except KvtrimError:
                 continue
-        reusable = [m for m in methods if reuses_prefill(m)]
+        reusable = [m for m in methods if self._reusable(m)]
         if len(reusable) < 2:  # one method: prefilling it directly costs the same
             return False, False
-        return True, any(waits_for_attention(m) for m in reusable)
+        return True, any(m.waits_for_attention for m in reusable) and is_enabled(self.model)
 
     # ---- the sweep ---------------------------------------------------------------------------
     def run(self, jobs: list[Job]) -> list[dict]:
@@ -229,7 +234,8 @@ class Runner:
                     check(limit is None or need <= limit,
                           f"sample {sample.id} needs {need} tokens, beyond the model's context of {limit}")
                     want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
-                    shared = shared_prefill(self.model, compressed, queries) if want else None
+                    self._shared_queries = queries
+                    shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
                     for job in sample_jobs:
                         bar.set_postfix_str(f"{sample.task} {job.spec.label} r={job.compression_ratio:g}", refresh=False)
                         row = self.run_job(job, compressed, after, shared)

@@ -3,24 +3,52 @@
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError
+from kvtrim.methods.base import (
+    EvictionMethod,
+    KvtrimError,
+    LayerView,
+    Phase,
+    Schedule,
+    ScoringMethod,
+    check,
+    kept_count,
+    param_type,
+)
 from kvtrim.methods.full import FullCache
 from kvtrim.methods.h2o import H2O
 from kvtrim.methods.keydiff import KeyDiff
+from kvtrim.methods.knorm import KNorm
 from kvtrim.methods.lagkv import LagKV, lagkv_keep_ratio_for, lagkv_stored_length
-from kvtrim.methods.lazy_eviction import LazyEviction, estimate_window
+from kvtrim.methods.lazy_eviction import LazyEviction
 from kvtrim.methods.snapkv import SnapKV
 from kvtrim.methods.streaming import StreamingLLM
 from kvtrim.methods.tova import TOVA
 
-METHODS: dict[str, type[EvictionMethod]] = {cls.name: cls for cls in (FullCache, LagKV, StreamingLLM)}
-METHODS[KeyDiff.name] = KeyDiff
+#: name -> method class; `register_method` adds to it (the CLI, `kvtrim eval` and `kvtrim bench` read it)
+METHODS: dict[str, type[EvictionMethod]] = {}
 
-for _cls in (SnapKV, H2O, TOVA, LazyEviction):  # attention-based methods (need kvtrim.enable(model))
-    METHODS[_cls.name] = _cls
+
+def register_method(cls: type[EvictionMethod], replace: bool = False) -> type[EvictionMethod]:
+    """Make a method class available by its `name` to `make_method`, the CLI, `kvtrim eval` and
+    `kvtrim bench`. Usable as a decorator. Returns `cls`.
+
+    The class must be a dataclass subclass of `EvictionMethod` (usually `ScoringMethod`) with a `name`
+    made of lowercase letters, digits, `_` or `-`; an existing name is refused unless `replace=True`."""
+    check(isinstance(cls, type) and issubclass(cls, EvictionMethod),
+          f"register_method expects an EvictionMethod subclass, got {cls!r}")
+    check(dataclasses.is_dataclass(cls), f"{cls.__name__} must be a dataclass (decorate it with @dataclass)")
+    name = cls.name
+    check(isinstance(name, str) and name not in ("", "base") and name.replace("_", "").replace("-", "").isalnum()
+          and name == name.lower(), f"{cls.__name__}.name must be a lowercase identifier, got {name!r}")
+    check(replace or name not in METHODS or METHODS[name] is cls,
+          f"a method named '{name}' is already registered ({METHODS.get(name, type).__name__}); pass replace=True")
+    METHODS[name] = cls
+    return cls
+
+
+for _cls in (FullCache, LagKV, StreamingLLM, KeyDiff, SnapKV, H2O, TOVA, LazyEviction, KNorm):
+    register_method(_cls)
 
 
 def method_params(cls: type[EvictionMethod]) -> list[dataclasses.Field]:
@@ -28,45 +56,19 @@ def method_params(cls: type[EvictionMethod]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 
 
-def param_type(cls: type[EvictionMethod], name: str) -> type:
-    """The scalar type of parameter `name` (`int`, `float`, `str`, `bool`, or `tuple` for sequences)."""
-    hint = typing.get_type_hints(cls)[name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `X | None`
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    base = typing.get_origin(hint) or hint
-    return tuple if base in (tuple, list) else base
-
-
 def make_method(name: str, **params) -> EvictionMethod:
     """Build the method `name` from keyword parameters, with one-line errors for unknown names."""
-    if name not in METHODS:
-        raise KvtrimError(f"unknown method '{name}'; known methods: {', '.join(METHODS)}")
+    check(isinstance(name, str) and name in METHODS, f"unknown method '{name}'; known methods: {', '.join(METHODS)}")
     cls = METHODS[name]
     known = {f.name for f in method_params(cls)}
     unknown = sorted(set(params) - known)
-    if unknown:
-        raise KvtrimError(
-            f"method '{name}' has no parameter {', '.join(unknown)}; its parameters: {', '.join(sorted(known)) or 'none'}"
-        )
+    check(not unknown, f"method '{name}' has no parameter {', '.join(unknown)}; "
+                       f"its parameters: {', '.join(sorted(known)) or 'none'}")
     return cls(**params)
 
 
 __all__ = [
-    "estimate_window",
-    "TOVA",
-    "SnapKV",
-    "LazyEviction",
-    "H2O",
-    "METHODS",
-    "EvictionMethod",
-    "FullCache",
-    "KeyDiff",
-    "KvtrimError",
-    "LagKV",
-    "StreamingLLM",
-    "lagkv_keep_ratio_for",
-    "lagkv_stored_length",
-    "make_method",
-    "method_params",
-    "param_type",
+    "TOVA", "SnapKV", "LazyEviction", "H2O", "KNorm", "METHODS", "EvictionMethod", "ScoringMethod", "LayerView",
+    "Phase", "Schedule", "FullCache", "KeyDiff", "KvtrimError", "LagKV", "StreamingLLM", "kept_count",
+    "lagkv_keep_ratio_for", "lagkv_stored_length", "make_method", "method_params", "param_type", "register_method",
 ]

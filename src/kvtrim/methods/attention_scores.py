@@ -9,19 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from kvtrim.methods.base import check
-
-
-def layer_scaling(layer, queries: torch.Tensor) -> float:
-    """The softmax scale the layer used (handed over by kvtrim's attention), else `head_dim ** -0.5`."""
-    scale = getattr(layer, "attn_scaling", None)
-    return float(scale) if scale is not None else queries.shape[-1] ** -0.5
-
-
-def require_queries(queries: torch.Tensor | None, method: str) -> torch.Tensor:
-    check(queries is not None, f"{method} needs the layer's queries: run the model with kvtrim.enable(model)")
-    return queries
-
 
 def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """`(batch, q_heads, ...)` -> `(batch, kv_heads, group, ...)`."""

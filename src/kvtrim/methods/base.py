@@ -1,30 +1,48 @@
-"""The small interface every eviction method implements.
+"""The method contract: what every eviction method implements, and what the cache tells it.
 
 A method is a dataclass of hyper-parameters plus pure tensor functions (in its own module). The cache
-layer (`kvtrim.cache.TrimLayer`) owns the tensors and calls the method at two moments only:
+layer (`kvtrim.cache.TrimLayer`) owns the tensors; a method sees a read-only `LayerView` of one layer and
+returns the indices of the stored entries to keep, shaped `(batch, kv_heads, n_keep)` and sorted
+ascending along the last dimension, or `None` to keep everything.
 
-* `on_update(layer, n_new)` right after new entries were appended (inside `Cache.update`, so the
-  current step still attends to everything: the layer returns the full tensors to attention and only
-  stores the kept subset);
-* `on_attention(layer, queries, attention)` right after the layer's attention was computed, for
-  methods that need the post-RoPE queries or the attention probabilities (only reached through
-  kvtrim's attention function, see `kvtrim.attention`).
+**Phases.** The cache tells the method which kind of forward it is in (`view.phase`), so no method ever
+infers it from the number of new tokens:
 
-Either hook returns the indices of the stored entries to keep, shaped `(batch, kv_heads, n_keep)` and
-sorted ascending along the last dimension, or `None` to keep everything. Per-layer state (counters,
-accumulated scores) lives in `layer.state`, created by `new_state`; tensors in it whose third
-dimension is the sequence are gathered with the kept indices by `gather_state`.
+* `Phase.PREFILL`: a forward of the prompt, one-shot or one block of a block-wise prefill.
+  `view.prompt_end` is True on the call that completes the prompt: the last block when the caller said
+  so (`kvtrim.prefill`, `kvtrim.compress`), otherwise a *deferred* call (`on_prompt_end`) made when the
+  prompt is known to be over — at the first decode step under stock `model.generate`, or on
+  `cache.end_prompt()`. Both give the next forward the same cache ("attend, then evict").
+* `Phase.APPEND`: a multi-token forward after the prompt ended (the question of a query-agnostic prompt,
+  a second question, a new chat turn).
+* `Phase.DECODE`: one generated token after the prompt.
+
+**Hooks** (all optional; the cache calls them at these moments only):
+
+* `on_update(view)`: right after this forward's entries were appended, inside `Cache.update` (the
+  forward still attends to everything: the layer returns the full tensors and keeps only the subset);
+* `on_attention(view)`: after the layer's attention, for methods that declare `needs_queries` or
+  `needs_attention` (`view.queries` / `view.attention` are set; reached through kvtrim's attention);
+* `on_prompt_end(view)`: the deferred end of the prompt (see above; `view.n_new == 0`; for methods that
+  need queries, `view.queries` holds the last `prompt_queries()` queries of the prompt's last forward);
+* `new_state(layer_idx)` / `gather_state(state, keep)`: per-layer state, reduced with the kept indices.
+
+**Ranking methods** subclass `ScoringMethod` and implement only `score(view)`: the base owns the size
+(`budget=` / `compression_ratio=`), the kept-count rounding (`kept_count`), protected sinks and recent
+entries, the schedule (`Schedule`) and the tie-stable top-k (`top_indices`).
 """
 
 from __future__ import annotations
 
+import enum
+import math
+import numbers
+import types
+import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvtrim.cache import TrimLayer
 
 
 class KvtrimError(ValueError):
@@ -37,9 +55,156 @@ def check(condition: bool, message: str) -> None:
         raise KvtrimError(message)
 
 
-@dataclass
+# ---- sizes: one rule each --------------------------------------------------------------------------
+def kept_count(n: int, compression_ratio: float) -> int:
+    """Entries kept of `n` at `compression_ratio` (fraction removed): `max(1, int(n * (1 - r)))`.
+
+    kvpress's rounding (so kept sets agree with it), never below one entry. The one function used by
+    every method, by `kvtrim eval` to size budgets and by `kvtrim bench`."""
+    return max(1, int(n * (1 - compression_ratio)))
+
+
+def check_compression_ratio(value: float) -> None:
+    """`compression_ratio` is a fraction of entries removed: in [0, 1)."""
+    check(0 <= value < 1, f"compression_ratio must be in [0, 1), got {value}")
+
+
+# ---- parameter types: checked once, for every method ---------------------------------------------------
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        try:
+            _HINTS[cls] = typing.get_type_hints(cls)
+        except Exception:  # unresolvable annotations in a user's class: skip type checks, keep its own
+            _HINTS[cls] = {}
+    return _HINTS[cls]
+
+
+def _scalar_hint(hint: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); `X` -> (X, False)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return (args[0] if len(args) == 1 else Any), len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _checked(owner: str, name: str, hint: Any, value: Any) -> Any:
+    """`value` converted to the declared type of parameter `name`, or a one-line `KvtrimError`."""
+    hint, optional = _scalar_hint(hint)
+    if value is None:
+        check(optional, f"{owner}: {name} must not be None")
+        return None
+    base = typing.get_origin(hint) or hint
+    where = f"{owner}: {name}"
+    if base is bool:
+        check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+    elif base is int:
+        check(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+              f"{where} must be an integer, got {value!r}")
+        return int(value)
+    elif base is float:
+        check(isinstance(value, numbers.Real) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        check(math.isfinite(float(value)), f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    elif base is str:
+        check(isinstance(value, str), f"{where} must be a string, got {value!r}")
+    elif base in (tuple, list):
+        check(isinstance(value, (tuple, list)), f"{where} must be a list of integers (e.g. (0, 1)), got {value!r}")
+        for item in value:
+            check(isinstance(item, numbers.Integral) and not isinstance(item, bool),
+                  f"{where} must hold integers, got {item!r}")
+        return tuple(int(i) for i in value)
+    return value
+
+
+def param_type(cls: type, name: str) -> type:
+    """The scalar type of parameter `name` (`int`, `float`, `str`, `bool`, or `tuple` for sequences)."""
+    hint, _ = _scalar_hint(_hints(cls).get(name, str))
+    base = typing.get_origin(hint) or hint
+    return tuple if base in (tuple, list) else base if isinstance(base, type) else str
+
+
+# ---- what the cache tells a method ---------------------------------------------------------------------
+class Phase(str, enum.Enum):
+    """The kind of forward a cache layer is in (see the module docstring)."""
+
+    PREFILL = "prefill"
+    APPEND = "append"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerView:
+    """A read-only view of one cache layer, handed to a method's hooks.
+
+    keys, values: `(batch, kv_heads, n, head_dim)`, every stored entry (this forward's included).
+    positions: `(batch, kv_heads, n)`, original positions, ascending per head.
+    seen: tokens this layer has seen (this forward's included). n_new: entries this forward appended.
+    prompt_tokens: length of the prompt once it ended (set on the `prompt_end` call), else None.
+    state: the method's own per-layer state (the method may mutate it; nothing else does).
+    queries: `(batch, q_heads, q_len, head_dim)` post-RoPE (in `on_attention` / `on_prompt_end` of
+    methods that need them). attention: `(batch, q_heads, 1, n)` probabilities of a single-token step
+    (methods with `needs_attention`). scaling: the softmax scale the layer used.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    layer_idx: int
+    seen: int
+    n_new: int
+    phase: Phase
+    prompt_end: bool
+    prompt_tokens: int | None
+    state: Any
+    queries: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
+    scaling: float | None = None
+
+    @property
+    def stored(self) -> int:
+        return self.keys.shape[-2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    def softmax_scale(self) -> float:
+        """The scale the layer used, else `head_dim ** -0.5`."""
+        return float(self.scaling) if self.scaling is not None else self.keys.shape[-1] ** -0.5
+
+    def require_queries(self, method: str) -> torch.Tensor:
+        check(self.queries is not None,
+              f"{method} needs the layer's queries: run the model with kvtrim.enable(model)")
+        return self.queries
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a `ScoringMethod` evicts (down to its budget).
+
+    prefill: "end" = once, when the prompt ends; "block" = after every prompt forward that holds more
+        than the budget (a one-shot prefill is one block) — needs an absolute budget.
+    append: multi-token forwards after the prompt evict when over the budget.
+    decode_slack: decode steps evict once the layer holds `budget + decode_slack` entries (1 = every
+        step over budget); None = decoding never evicts.
+    block_size: the prefill chunk the method is designed for (`kvtrim.prefill` and `kvtrim.generate`
+        default to it); None = one forward.
+    """
+
+    prefill: str = "end"
+    append: bool = False
+    decode_slack: int | None = None
+    block_size: int | None = None
+
+
+# ---- the base classes -----------------------------------------------------------------------------------
+@dataclass(kw_only=True)
 class EvictionMethod:
-    """Base class of all methods. Subclasses are dataclasses whose fields are the hyper-parameters."""
+    """Base class of all methods. Subclasses are dataclasses whose fields are the hyper-parameters;
+    their types are checked at construction (one-line `KvtrimError`s)."""
 
     #: short name used by the CLI and the registry
     name: ClassVar[str] = "base"
@@ -49,37 +214,58 @@ class EvictionMethod:
     needs_queries: ClassVar[bool] = False
     #: True when `on_attention` needs the attention probabilities of decode steps
     needs_attention: ClassVar[bool] = False
+    #: the parameters that fix how much the method keeps; a spec giving one is built as given
+    size_params: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        hints = _hints(type(self))
+        for f in fields(self):
+            if f.name in hints:
+                object.__setattr__(self, f.name, _checked(owner, f.name, hints[f.name], getattr(self, f.name)))
+
+    @property
+    def waits_for_attention(self) -> bool:
+        """True when the layer must wait for kvtrim's attention to hand over queries or probabilities."""
+        return self.needs_queries or self.needs_attention
 
     # ---- hooks -------------------------------------------------------------------------------
     def new_state(self, layer_idx: int) -> Any:
         """Per-layer mutable state; `None` when the method keeps none."""
         return None
 
-    def on_update(self, layer: TrimLayer, n_new: int) -> torch.Tensor | None:
-        """Called after `n_new` entries were appended to `layer`. Return kept indices or None."""
+    def on_update(self, view: LayerView) -> torch.Tensor | None:
+        """After this forward's entries were appended (before attention). Return kept indices or None."""
         return None
 
-    def on_attention(
-        self,
-        layer: TrimLayer,
-        queries: torch.Tensor | None,
-        attention: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Called after the layer's attention. `queries`: `(batch, q_heads, q_len, head_dim)`, post-RoPE.
-        `attention`: `(batch, q_heads, q_len, n_stored)` probabilities for single-token decode steps, else None."""
+    def on_attention(self, view: LayerView) -> torch.Tensor | None:
+        """After the layer's attention (methods that need queries or probabilities). Kept indices or None."""
+        return None
+
+    def on_prompt_end(self, view: LayerView) -> torch.Tensor | None:
+        """The deferred end of the prompt (see the module docstring). Kept indices or None."""
         return None
 
     def gather_state(self, state: Any, keep: torch.Tensor) -> Any:
         """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept."""
         return state
 
+    def prefill_block_size(self) -> int | None:
+        """The prefill chunk this method is designed for (None: the prompt in one forward)."""
+        return None
+
+    def prompt_queries(self) -> int:
+        """How many of the prompt's last queries `on_prompt_end` needs (kept until the prompt ends)."""
+        return 0
+
     @classmethod
     def at_budget(cls, budget: int, context_length: int, **params) -> EvictionMethod:
         """This method configured to hold about `budget` entries per KV head and layer once a prompt of
-        `context_length` tokens is in the cache. Sweeps use it to compare methods at equal memory
-        (`budget = int(context_length * (1 - compression_ratio))`). Default: the `budget=` field."""
-        if "budget" not in {f.name for f in fields(cls)}:
-            raise NotImplementedError(f"{cls.__name__} has no budget form")
+        `context_length` tokens is in the cache (`budget = kept_count(context_length, compression_ratio)`).
+        Sweeps use it to compare methods at equal memory. Default: the `budget=` parameter."""
+        clash = sorted(set(params) & set(cls.size_params))
+        check(not clash, f"{cls.name}: {', '.join(clash)} fixes the size already; the sweep sizes it by budget")
+        check("budget" in cls.size_params, f"{cls.name} has no budget form; give it its own size parameters")
         return cls(budget=budget, **params)
 
     # ---- description -------------------------------------------------------------------------
@@ -101,15 +287,119 @@ class EvictionMethod:
         return f"{type(self).__name__}({', '.join(shown)})"
 
 
-def check_compression_ratio(value: float) -> None:
-    """`compression_ratio` is a fraction of entries removed: in [0, 1)."""
-    check(0 <= value < 1, f"compression_ratio must be in [0, 1), got {value}")
+@dataclass(kw_only=True)
+class ScoringMethod(EvictionMethod):
+    """A method that ranks entries: implement `score(view) -> (batch, kv_heads, n)`, higher = keep.
+
+    Exactly one size: `budget=` (entries kept per KV head and layer) or `compression_ratio=` (fraction
+    of the prompt removed; the budget becomes `kept_count(prompt_tokens, compression_ratio)` when the
+    prompt ends and stays fixed afterwards). The base decides when to evict (`schedule()`), protects the
+    entries `protected()` names (they win every tie; when they alone exceed the budget the earliest of
+    them win), and keeps the top entries with `top_indices` (ties -> the earlier entry).
+
+    Default schedule: with a budget, every prompt block over budget; with a ratio, once at the end of the
+    prompt; appends and decode steps keep everything. Override `schedule()` to evict later too.
+    """
+
+    budget: int | None = None
+    compression_ratio: float | None = None
+
+    size_params: ClassVar[tuple[str, ...]] = ("budget", "compression_ratio")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_size()
+
+    def check_size(self) -> None:
+        """Validate the size parameters (default: exactly one of budget= / compression_ratio=)."""
+        name = type(self).__name__
+        check((self.budget is None) != (self.compression_ratio is None),
+              f"{name} needs exactly one of budget= or compression_ratio=")
+        if self.budget is not None:
+            check(self.budget >= 1, f"{name}: budget must be >= 1, got {self.budget}")
+        else:
+            check_compression_ratio(self.compression_ratio)
+
+    # ---- what a subclass implements ------------------------------------------------------------
+    def score(self, view: LayerView) -> torch.Tensor | None:
+        """`(batch, kv_heads, n)` scores of every stored entry (higher = keep), or None to keep all."""
+        raise NotImplementedError
+
+    def schedule(self) -> Schedule:
+        return Schedule(prefill="block" if self.budget is not None else "end")
+
+    def observe(self, view: LayerView) -> None:
+        """Called at every forward before any eviction decision (e.g. to accumulate attention)."""
+
+    def protected(self, view: LayerView, n_keep: int) -> tuple[int, int]:
+        """`(first, last)`: how many of the oldest and of the newest entries are always kept."""
+        return 0, 0
+
+    def select(self, view: LayerView, scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+        """Indices `(batch, kv_heads, n_keep)` of the kept entries, sorted ascending."""
+        first, last = self.protected(view, n_keep)
+        return keep_top(scores, n_keep, first, last)
+
+    def fixed_budget(self) -> int | None:
+        """The absolute budget, when the method has one before the prompt ends."""
+        return self.budget
+
+    # ---- the shared machinery ------------------------------------------------------------------
+    def target(self, view: LayerView) -> int | None:
+        """How many entries to keep after this call, or None when no eviction is due."""
+        sched = self.schedule()
+        budget = self.fixed_budget()
+        if budget is None and view.prompt_tokens is not None:
+            budget = kept_count(view.prompt_tokens, self.compression_ratio)
+        if budget is None:
+            return None
+        if view.phase is Phase.PREFILL:
+            return budget if view.prompt_end or sched.prefill == "block" else None
+        if view.phase is Phase.APPEND:
+            return budget if sched.append else None
+        due = sched.decode_slack is not None and view.stored >= budget + sched.decode_slack
+        return budget if due else None
+
+    def evict_if_due(self, view: LayerView) -> torch.Tensor | None:
+        n_keep = self.target(view)
+        if n_keep is None or view.stored <= n_keep:
+            return None
+        scores = self.score(view)
+        return None if scores is None else self.select(view, scores, n_keep)
+
+    def on_update(self, view):
+        if self.waits_for_attention:
+            return None
+        self.observe(view)
+        return self.evict_if_due(view)
+
+    def on_attention(self, view):
+        self.observe(view)
+        return self.evict_if_due(view)
+
+    def on_prompt_end(self, view):
+        return self.evict_if_due(view)
+
+    def prefill_block_size(self) -> int | None:
+        return self.schedule().block_size
 
 
+# ---- shared selection helpers -----------------------------------------------------------------------
 def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     """`arange(start, stop)` broadcast to `(batch, kv_heads, stop - start)` of `like` `(batch, kv_heads, ...)`."""
     b, h = like.shape[:2]
     return torch.arange(start, stop, device=like.device).expand(b, h, stop - start)
+
+
+def keep_top(scores: torch.Tensor, n_keep: int, first: int = 0, last: int = 0) -> torch.Tensor:
+    """The `n_keep` best of `scores` `(..., n)` with the first `first` and last `last` entries protected:
+    protected entries win every tie with the rest; when they alone exceed `n_keep`, the earliest win.
+    Returns indices `(..., n_keep)` sorted ascending."""
+    if first or last:
+        n = scores.shape[-1]
+        idx = torch.arange(n, device=scores.device)
+        scores = scores.float().masked_fill((idx < first) | (idx >= n - last), torch.inf)
+    return top_indices(scores, n_keep)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvtrim.methods.base import EvictionMethod
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FullCache(EvictionMethod):
     """Keep everything. With it, `TrimCache` gives bit-identical results to `DynamicCache`."""
 
@@ -16,4 +16,4 @@ class FullCache(EvictionMethod):
 
     @classmethod
     def at_budget(cls, budget, context_length, **params):
-        return cls()
+        return cls(**params)

@@ -28,8 +28,11 @@ Deviations (documented):
 * kvpress's `ObservedAttentionPress`/H2O is a prefill-only approximation; this is the decode-time method.
 
 Budget forms: `heavy_budget` + `recent_budget` (paper), or `budget=` split half/half (heavy gets the
-smaller half), or `compression_ratio=` (the budget is `int(n * (1 - compression_ratio))` of the first
-forward, the prompt, then split the same way and kept fixed while decoding).
+smaller half), or `compression_ratio=` (the budget is `kept_count(n, compression_ratio)` of the prompt,
+fixed when the prompt ends, split the same way and kept while decoding).
+
+Phases: every forward accumulates its attention; prompt blocks, appends (a question after the prompt)
+and decode steps all cut back to the budget when over it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.attention_scores import causal_attention, grouped, layer_scaling, require_queries
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
+from kvtrim.methods.attention_scores import causal_attention, grouped
+from kvtrim.methods.base import Schedule, ScoringMethod, check, kept_count, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -94,18 +97,17 @@ def split_budget(budget: int) -> tuple[int, int]:
 @dataclass
 class _H2OState:
     scores: torch.Tensor | None = None  # (batch, kv_heads, n_stored) accumulated attention, float32
-    heavy: int | None = None  # budgets fixed at the first forward (compression_ratio mode)
-    recent: int | None = None
 
 
-@dataclass
-class H2O(EvictionMethod):
+@dataclass(kw_only=True)
+class H2O(ScoringMethod):
     """H2O: accumulated-attention heavy hitters plus a recent window, evicting one entry per decode step.
 
     Exactly one form:
         heavy_budget, recent_budget: entries kept per KV head per layer (both given; heavy >= 0, recent >= 1).
         budget: total, split half/half.
-        compression_ratio: fraction of the prompt removed, in [0, 1); the budget it gives stays fixed.
+        compression_ratio: fraction of the prompt removed, in [0, 1); the budget it gives when the prompt
+            ends stays fixed while decoding.
     Args:
         prefill_block: query rows per block when recomputing the prompt's attention sums.
     """
@@ -114,30 +116,31 @@ class H2O(EvictionMethod):
     summary = "accumulated attention (heavy hitters) + recent window, step-wise at decode (H2O); needs kvtrim attention"
     needs_queries = True
     needs_attention = True
+    size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")
 
     heavy_budget: int | None = None
     recent_budget: int | None = None
-    budget: int | None = None
-    compression_ratio: float | None = None
     prefill_block: int = 256
 
-    def __post_init__(self):
-        forms = [self.heavy_budget is not None or self.recent_budget is not None, self.budget is not None,
-                 self.compression_ratio is not None]
+    def check_size(self):
+        split = self.heavy_budget is not None or self.recent_budget is not None
+        forms = [split, self.budget is not None, self.compression_ratio is not None]
         check(sum(forms) == 1, "H2O needs exactly one of heavy_budget= + recent_budget=, budget= or compression_ratio=")
-        if forms[0]:
+        if split:
             check(
                 self.heavy_budget is not None and self.recent_budget is not None,
                 "H2O needs both heavy_budget= and recent_budget=",
             )
             check(self.heavy_budget >= 0, f"heavy_budget must be >= 0, got {self.heavy_budget}")
             check(self.recent_budget >= 1, f"recent_budget must be >= 1, got {self.recent_budget}")
-        elif forms[1]:
+        elif self.budget is not None:
             check(self.budget >= 2, f"budget must be >= 2, got {self.budget}")
         else:
-            check_compression_ratio(self.compression_ratio)
-        check(self.prefill_block >= 1, f"prefill_block must be >= 1, got {self.prefill_block}")
+            super().check_size()
 
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.prefill_block >= 1, f"prefill_block must be >= 1, got {self.prefill_block}")
 
     def budgets(self, prompt_length: int | None = None) -> tuple[int, int]:
         """`(heavy, recent)` entries per KV head (`prompt_length` needed in compression_ratio mode)."""
@@ -145,28 +148,38 @@ class H2O(EvictionMethod):
             return self.heavy_budget, self.recent_budget
         if self.budget is not None:
             return split_budget(self.budget)
-        return split_budget(max(2, int(prompt_length * (1 - self.compression_ratio))))
+        return split_budget(kept_count(prompt_length, self.compression_ratio))
+
+    def fixed_budget(self):
+        return sum(self.budgets()) if self.compression_ratio is None else None
+
+    def schedule(self):
+        # every forward over budget: the prompt (once it has a budget), appends, each decode step
+        return Schedule(prefill="block" if self.compression_ratio is None else "end", append=True, decode_slack=1)
 
     def new_state(self, layer_idx):
         return _H2OState()
 
-    def on_attention(self, layer, queries, attention):
-        queries = require_queries(queries, "H2O")
-        state: _H2OState = layer.state
-        keys = layer.keys
-        b, hkv, n = keys.shape[0], keys.shape[1], keys.shape[2]
-        if state.heavy is None:
-            state.heavy, state.recent = self.budgets(n)
+    def observe(self, view):
+        state: _H2OState = view.state
+        b, hkv, n = view.keys.shape[:3]
         old = 0 if state.scores is None else state.scores.shape[-1]
-        grown = torch.zeros(b, hkv, n, dtype=torch.float32, device=keys.device)
+        grown = torch.zeros(b, hkv, n, dtype=torch.float32, device=view.keys.device)
         if state.scores is not None:
             grown[..., :old] = state.scores
-        if attention is not None:
-            grown += decode_attention_sums(attention, hkv)
+        if view.attention is not None:
+            grown += decode_attention_sums(view.attention, hkv)
         else:
-            grown += prompt_attention_sums(queries, keys, layer_scaling(layer, queries), self.prefill_block)
+            queries = view.require_queries("H2O")
+            grown += prompt_attention_sums(queries, view.keys, view.softmax_scale(), self.prefill_block)
         state.scores = grown
-        return h2o_keep(grown, state.heavy, state.recent)
+
+    def score(self, view):
+        return view.state.scores
+
+    def select(self, view, scores, n_keep):
+        heavy, recent = (self.heavy_budget, self.recent_budget) if self.heavy_budget is not None else split_budget(n_keep)
+        return h2o_keep(scores, heavy, recent)
 
     def gather_state(self, state: _H2OState, keep):
         state.scores = state.scores.gather(-1, keep)

@@ -13,21 +13,21 @@ factor), so nothing is approximated beyond the paper's relaxation of the subset 
 Budget mode (`budget=`, the paper's setting): the cache holds at most `budget + block_size` entries
 per KV head and layer, whatever the prompt length.
 
-* A multi-token forward (a prefill block) evicts back to `budget` as soon as the stored cache
-  exceeds it. Fed block by block (`kvtrim.prefill(model, ids, cache)`, or
-  `model.generate(..., prefill_chunk_size=block_size)`), each block attends only to what earlier
-  blocks retained plus itself, and the cache never holds more than `budget + block_size` entries:
-  this is the paper's block-wise prompt processing, done for real (kvpress's `BlockPress` only
-  replays the selection after a full-attention prefill).
+* Every prompt block (`Phase.PREFILL`) and every append after the prompt (`Phase.APPEND`: a question,
+  a new turn) evicts back to `budget` as soon as the stored cache exceeds it. Fed block by block
+  (`kvtrim.prefill(model, ids, cache)`, or `model.generate(..., prefill_chunk_size=block_size)`), each
+  block attends only to what earlier blocks retained plus itself, and the cache never holds more than
+  `budget + block_size` entries: this is the paper's block-wise prompt processing, done for real
+  (kvpress's `BlockPress` only replays the selection after a full-attention prefill).
 * Decoding appends until the cache reaches `budget + block_size`, then evicts back to `budget`
-  (the top-k cost is paid once per `block_size` generated tokens). A forward cannot tell a one-token
-  prefill block from a decode step, so a prompt whose last block has one token ends at `budget + 1`.
+  (the top-k cost is paid once per `block_size` generated tokens). Under stock `generate` the cache
+  cannot tell a one-token last prompt chunk from a decode step (it becomes one); `kvtrim.prefill`
+  declares its blocks, so there a one-token block is a prompt block.
 * "Attend, then evict": the step that triggers an eviction still attends to every candidate.
 
-Ratio mode (`compression_ratio=`, kvpress's `KeyDiffPress` without `BlockPress`): once, after the
-first forward (a one-shot prefill), keep `int(n * (1 - compression_ratio))` of the `n` entries; later
-tokens are appended without eviction. A chunked prefill in this mode is refused with a clear error
-(only the first chunk would be compressed): use `budget=` for block-wise prefill.
+Ratio mode (`compression_ratio=`, kvpress's `KeyDiffPress` without `BlockPress`): once, when the prompt
+ends (one-shot or chunked), keep `kept_count(n, compression_ratio)` of its `n` entries; later tokens
+(appends, decoding) are kept.
 
 Choices and deviations (documented):
 * Keys are scored post-RoPE, as stored in the cache and as kvpress does; whether the paper scores
@@ -40,6 +40,7 @@ Choices and deviations (documented):
 * Decoding cadence (grow to `budget + block_size`, evict back to `budget`) is our choice: the paper's
   decode-time schedule is not verified (kvpress's `DecodingPress` compresses every 512 steps).
 * Padded batches are not supported (TrimCache refuses them), so no padding slot enters the anchor.
+* Under the contract's base (`ScoringMethod`): sizes, schedule, protection and top-k are shared code.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check, check_compression_ratio, top_indices
+from kvtrim.methods.base import Schedule, ScoringMethod, check, keep_top
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -77,26 +78,14 @@ def keydiff_keep(
     Args:
         keys: `(batch, kv_heads, n, head_dim)`.
     """
-    n = keys.shape[-2]
-    if n <= n_keep:
+    if keys.shape[-2] <= n_keep:
         return None
-    scores = keydiff_scores(keys, eps)
-    if sink_size:
-        scores[..., :sink_size] = torch.inf
-    if recent_size:
-        scores[..., max(0, n - recent_size):] = torch.inf
-    return top_indices(scores, n_keep)  # ties -> older entry
+    return keep_top(keydiff_scores(keys, eps), n_keep, sink_size, recent_size)  # ties -> older entry
 
 
 # ---- the method ---------------------------------------------------------------------------------
-@dataclass
-class _KeyDiffState:
-    compressed: bool = False  # ratio mode: the one-shot compression happened
-    decoded: bool = False  # a single-token step happened (later multi-token forwards are new turns)
-
-
-@dataclass
-class KeyDiff(EvictionMethod):
+@dataclass(kw_only=True)
+class KeyDiff(ScoringMethod):
     """KeyDiff eviction. Exactly one of `budget=` (block-wise, the paper) or `compression_ratio=`.
 
     Args:
@@ -104,7 +93,7 @@ class KeyDiff(EvictionMethod):
         block_size: prefill block length (B, 128 as in kvpress's `BlockPress`) and decode slack: the
             cache never exceeds `budget + block_size` when the prompt is fed in blocks of at most
             `block_size` tokens. `kvtrim.prefill` and `kvtrim.generate` use it as their chunk size.
-        compression_ratio: one-shot mode: fraction of the prefill removed, in [0, 1).
+        compression_ratio: one-shot mode: fraction of the prompt removed, in [0, 1).
         sink_size: first entries never evicted (0 in the paper).
         recent_size: most recent entries never evicted (0 in the paper).
     """
@@ -112,52 +101,30 @@ class KeyDiff(EvictionMethod):
     name = "keydiff"
     summary = "key diversity: evict keys most similar to the mean key; attention-free, block-wise (KeyDiff)"
 
-    budget: int | None = None
     block_size: int = 128
-    compression_ratio: float | None = None
     sink_size: int = 0
     recent_size: int = 0
 
     def __post_init__(self):
-        check(
-            (self.budget is None) != (self.compression_ratio is None),
-            "KeyDiff needs exactly one of budget= (block-wise) or compression_ratio= (one-shot)",
-        )
+        super().__post_init__()
         check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         check(self.sink_size >= 0, f"sink_size must be >= 0, got {self.sink_size}")
         check(self.recent_size >= 0, f"recent_size must be >= 0, got {self.recent_size}")
         if self.budget is not None:
-            check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
             check(
                 self.sink_size + self.recent_size <= self.budget,
                 f"sink_size + recent_size ({self.sink_size} + {self.recent_size}) must not exceed "
                 f"budget ({self.budget})",
             )
-        else:
-            check_compression_ratio(self.compression_ratio)
 
+    def schedule(self):
+        if self.budget is None:  # ratio mode: once, when the prompt ends
+            return Schedule()
+        # every prompt block and every append over budget; decoding waits for a full block
+        return Schedule(prefill="block", append=True, decode_slack=self.block_size, block_size=self.block_size)
 
-    def new_state(self, layer_idx):
-        return _KeyDiffState()
+    def score(self, view):
+        return keydiff_scores(view.keys)
 
-    def on_update(self, layer, n_new):
-        state: _KeyDiffState = layer.state
-        n = layer.stored
-        if n_new == 1:
-            state.decoded = True
-        if self.compression_ratio is not None:
-            if state.compressed:
-                if n_new > 1 and not state.decoded:
-                    raise KvtrimError(
-                        "KeyDiff(compression_ratio=...) compresses a one-shot prefill; for a chunked or "
-                        "block-wise prefill use KeyDiff(budget=...)"
-                    )
-                return None
-            state.compressed = True
-            n_keep = max(1, int(n * (1 - self.compression_ratio)))
-            return keydiff_keep(layer.keys, n_keep, self.sink_size, self.recent_size)
-        # budget mode: a prefill block evicts as soon as it overflows; decoding waits for a full block
-        limit = self.budget if n_new > 1 else self.budget + self.block_size - 1
-        if n <= limit:
-            return None
-        return keydiff_keep(layer.keys, self.budget, self.sink_size, self.recent_size)
+    def protected(self, view, n_keep):
+        return self.sink_size, self.recent_size

@@ -15,9 +15,10 @@ after the sinks, the same entries are selected whether tokens arrive in one forw
 by one (for the same keys and values).
 
 Global-budget mode (`compression_ratio=`) follows kvpress's `LagKVPress`, which the paper used for its
-RULER tables: once, after the prefill, partition tokens get their rank within the partition divided
+RULER tables: once, when the prompt ends, partition tokens get their rank within the partition divided
 by `lag_size`, sinks and window get an always-keep score, and one top-k per head keeps
-`int(n * (1 - compression_ratio))` entries — so the per-partition share adapts to the target ratio.
+`kept_count(n, compression_ratio)` entries — so the per-partition share adapts to the target ratio.
+`budget=` gives the same mode an absolute size. Appends and decode steps are kept.
 
 Deviations (documented, all harmless where the reference is well defined):
 * scoring runs in float32 and the min-max range is clamped to at least `eps` (the official code
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
+from kvtrim.methods.base import ScoringMethod, check, check_compression_ratio, kept_count, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -145,6 +146,32 @@ def lagkv_select_reference(
     return keep, compressed + scored * k
 
 
+def lagkv_global_scores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sink_size: int,
+    lag_size: int,
+    value_weight: float = 1.0,
+    eps: float = 1e-6,
+) -> torch.Tensor | None:
+    """kvpress-style global scores: each partition's rank of the lag-relative score, divided by
+    `lag_size` (in [0, 1)); sinks and the window (last full partition + remainder) score 2 (always kept
+    first). `(batch, kv_heads, n)` float32, or None when `n < sink_size + 2 * lag_size` (not compressed).
+    One top-k per head over these scores keeps the global budget (ties -> earlier entry)."""
+    b, h, n, _ = keys.shape
+    if n < sink_size + 2 * lag_size:
+        return None
+    parts = (n - sink_size) // lag_size
+    end = sink_size + (parts - 1) * lag_size  # the last full partition and the remainder stay
+    scores = lag_relative_scores(
+        keys[:, :, sink_size : end + lag_size], values[:, :, sink_size : end + lag_size], lag_size, value_weight, eps
+    )
+    ranks = scores.argsort(dim=-1).argsort(dim=-1).float() / lag_size  # in [0, (L-1)/L]
+    full = torch.full((b, h, n), 2.0, device=keys.device)
+    full[:, :, sink_size:end] = ranks.flatten(-2)
+    return full
+
+
 def lagkv_select_global(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -154,64 +181,59 @@ def lagkv_select_global(
     value_weight: float = 1.0,
     eps: float = 1e-6,
 ) -> torch.Tensor | None:
-    """kvpress-style one-shot LagKV: rank within partitions, then one top-k per head.
-
-    Returns indices `(batch, kv_heads, int(n * (1 - compression_ratio)))` sorted ascending, or None.
-    """
-    b, h, n, _ = keys.shape
-    n_keep = int(n * (1 - compression_ratio))
-    if n < sink_size + 2 * lag_size or n_keep >= n:
+    """kvpress-style one-shot LagKV as one pure function (what the global mode does when the prompt
+    ends): indices `(batch, kv_heads, kept_count(n, compression_ratio))` sorted ascending, or None."""
+    n_keep = kept_count(keys.shape[-2], compression_ratio)
+    scores = lagkv_global_scores(keys, values, sink_size, lag_size, value_weight, eps)
+    if scores is None or n_keep >= keys.shape[-2]:
         return None
-    parts = (n - sink_size) // lag_size
-    end = sink_size + (parts - 1) * lag_size  # the last full partition and the remainder stay
-    scores = lag_relative_scores(
-        keys[:, :, sink_size : end + lag_size], values[:, :, sink_size : end + lag_size], lag_size, value_weight, eps
-    )
-    ranks = scores.argsort(dim=-1).argsort(dim=-1).float() / lag_size  # in [0, (L-1)/L]
-    full = torch.full((b, h, n), 2.0, device=keys.device)  # sinks and window: always kept first
-    full[:, :, sink_size:end] = ranks.flatten(-2)
-    return top_indices(full, n_keep)  # ties -> earlier entry
+    return top_indices(scores, n_keep)  # ties -> earlier entry
 
 
 # ---- the method ---------------------------------------------------------------------------------
 @dataclass
 class _LagState:
     compressed: int = 0  # entries in the compressed region (after the sinks)
-    done: bool = False  # global mode: the one-shot compression happened
 
 
-@dataclass
-class LagKV(EvictionMethod):
-    """LagKV eviction. Reference mode by default; `compression_ratio=` selects the global-budget mode.
+@dataclass(kw_only=True)
+class LagKV(ScoringMethod):
+    """LagKV eviction. Reference mode by default; `compression_ratio=` (or `budget=`) selects the
+    global-budget mode.
 
     Args:
         sink_size: first entries never evicted (S).
         lag_size: partition length (L).
         keep_ratio: fraction of each partition kept (r, the official `ratio`), in (0, 1]; default 0.5.
-        compression_ratio: global-budget mode: fraction of the prefill removed, in [0, 1).
-        value_weight: weight of the value score (`score_v_ratio`; 1.0 in the paper).
+        compression_ratio: global-budget mode: fraction of the prompt removed, in [0, 1).
+        budget: global-budget mode with an absolute number of entries per KV head (kvtrim sizing).
+        value_weight: weight of the value score (`score_v_ratio`; 1.0 in the paper), finite, >= 0.
         skip_layers: layer indices left uncompressed.
-        eps: lower bound of the min-max range (zero-range guard).
+        eps: lower bound of the min-max range (zero-range guard), > 0.
     """
 
     name = "lagkv"
     summary = "lag-relative K/V statistics per partition; attention-free (LagKV)"
+    size_params = ("keep_ratio", "budget", "compression_ratio")
 
     sink_size: int = 16
     lag_size: int = 128
     keep_ratio: float | None = None
-    compression_ratio: float | None = None
     value_weight: float = 1.0
     skip_layers: tuple[int, ...] = ()
     eps: float = 1e-6
 
-    def __post_init__(self):
-        check(
-            self.keep_ratio is None or self.compression_ratio is None,
-            "LagKV takes keep_ratio= (reference mode) or compression_ratio= (global-budget mode), not both",
-        )
-        if self.compression_ratio is None and self.keep_ratio is None:
+    def check_size(self):
+        given = [p for p in self.size_params if getattr(self, p) is not None]
+        check(len(given) <= 1, f"LagKV takes keep_ratio= (reference mode) or compression_ratio= / budget= "
+                               f"(global-budget mode), not both (got {' and '.join(given)})")
+        if not given:
             self.keep_ratio = 0.5
+        if self.keep_ratio is None:
+            super().check_size()
+
+    def __post_init__(self):
+        super().__post_init__()
         check(self.sink_size >= 0, f"sink_size must be >= 0, got {self.sink_size}")
         check(self.lag_size >= 1, f"lag_size must be >= 1, got {self.lag_size}")
         if self.keep_ratio is not None:
@@ -221,40 +243,44 @@ class LagKV(EvictionMethod):
                 f"keep_ratio * lag_size must keep at least one token per partition "
                 f"(got {self.keep_ratio} * {self.lag_size})",
             )
-        else:
-            check_compression_ratio(self.compression_ratio)
         check(self.value_weight >= 0, f"value_weight must be >= 0, got {self.value_weight}")
-        self.skip_layers = tuple(int(i) for i in self.skip_layers)
+        check(self.eps > 0, f"eps must be > 0, got {self.eps}")
+        check(all(i >= 0 for i in self.skip_layers), f"skip_layers must be layer indices >= 0, got {self.skip_layers}")
 
     @classmethod
     def at_budget(cls, budget, context_length, **params):
         """Reference mode with the largest keep_ratio whose cache after `context_length` tokens fits
         `budget` (Eq. 12-13). For the global-budget mode build `LagKV(compression_ratio=...)` directly."""
+        clash = sorted(set(params) & set(cls.size_params))
+        check(not clash, f"lagkv: {', '.join(clash)} fixes the size already; the sweep sizes it by budget")
         sink, lag = params.get("sink_size", 16), params.get("lag_size", 128)
+        check(isinstance(lag, int) and lag >= 1, f"lagkv: lag_size must be an integer >= 1, got {lag!r}")
         ratio = 1 - budget / context_length
         return cls(keep_ratio=lagkv_keep_ratio_for(ratio, context_length, sink, lag), **params)
 
     @property
     def mode(self) -> str:
-        return "reference" if self.compression_ratio is None else "global"
+        return "reference" if self.keep_ratio is not None else "global"
 
     def new_state(self, layer_idx):
         return _LagState()
 
-    def on_update(self, layer, n_new):
-        if layer.layer_idx in self.skip_layers:
+    # global-budget mode: a ScoringMethod acting once, when the prompt ends
+    def score(self, view):
+        return lagkv_global_scores(view.keys, view.values, self.sink_size, self.lag_size, self.value_weight, self.eps)
+
+    def on_update(self, view):
+        if view.layer_idx in self.skip_layers:
             return None
-        state: _LagState = layer.state
-        if self.compression_ratio is not None:
-            if state.done:
-                return None
-            state.done = True  # one shot, after the first forward (the prefill)
-            return lagkv_select_global(
-                layer.keys, layer.values, self.sink_size, self.lag_size, self.compression_ratio,
-                self.value_weight, self.eps,
-            )
-        keep, state.compressed = lagkv_select_reference(
-            layer.keys, layer.values, self.sink_size, self.lag_size, self.keep_ratio,
-            state.compressed, self.value_weight, self.eps,
+        if self.mode == "global":
+            return super().on_update(view)
+        keep, view.state.compressed = lagkv_select_reference(
+            view.keys, view.values, self.sink_size, self.lag_size, self.keep_ratio,
+            view.state.compressed, self.value_weight, self.eps,
         )
         return keep
+
+    def on_prompt_end(self, view):
+        if view.layer_idx in self.skip_layers or self.mode == "reference":
+            return None
+        return super().on_prompt_end(view)

@@ -31,36 +31,24 @@ Deviations (documented):
 * Ties go to the earlier entry; kept indices are in position order (official: `topk` order).
 * State lives in the cache object, per sequence (official: one global state, batch size 1).
 
-Presets: `LazyEviction.preset(model, dataset)` returns the official scripts' `window`/`alpha` (and the
-scripts' budget); `estimate_window(...)` measures the paper's rule (80th percentile of MRI) on your prompts.
+Phases: decode steps track and evict; a prompt block or an append after the prompt (a new turn)
+restarts tracking, as the official code does at every prefill.
+
+Calibration lives outside the method (`kvtrim.calibrate`): `lazy_eviction_preset(model, dataset)` returns
+the official scripts' `window`/`alpha` (and budget); `estimate_window(...)` measures the paper's rule
+(80th percentile of MRI) on your prompts.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
 from kvtrim.methods.attention_scores import grouped
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check, span, top_indices
+from kvtrim.methods.base import EvictionMethod, Phase, check, span, top_indices
 
 MRI_EPS = 1e-5
-
-#: official scripts' `(decoding_recent_size = window, alpha)` per (model, dataset)
-PRESETS: dict[tuple[str, str], dict[str, float]] = {
-    ("deepseek-r1-distill-qwen-7b", "gsm8k"): {"window": 101, "alpha": 1e-4},
-    ("deepseek-r1-distill-qwen-7b", "math500"): {"window": 175, "alpha": 1e-4},
-    ("deepseek-r1-distill-qwen-7b", "aime"): {"window": 363, "alpha": 1e-4},
-    ("deepseek-r1-distill-llama-8b", "gsm8k"): {"window": 27, "alpha": 5e-4},
-    ("deepseek-r1-distill-llama-8b", "math500"): {"window": 52, "alpha": 5e-4},
-    ("deepseek-r1-distill-llama-8b", "aime"): {"window": 95, "alpha": 5e-4},
-}
-#: official scripts' `max_kv_capacity` per model
-PRESET_BUDGETS: dict[str, int] = {"deepseek-r1-distill-qwen-7b": 1492, "deepseek-r1-distill-llama-8b": 1334}
-
 GQA_MODES = ("max", "mean", "per_query_head")
 
 
@@ -121,7 +109,7 @@ class _LazyState:
     mri: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LazyEviction(EvictionMethod):
     """LazyEviction: every `window` decode steps, keep `budget - window` entries by recurrence score + the newest.
 
@@ -131,11 +119,15 @@ class LazyEviction(EvictionMethod):
         window: observation window W = eviction period = protected newest entries, >= 1.
         alpha: activity threshold on attention probabilities, in (0, 1).
         gqa: "max", "mean" or "per_query_head" (see the module docstring).
+
+    The official scripts' window/alpha per model and dataset: `kvtrim.calibrate.lazy_eviction_preset`;
+    the paper's rule for the window, measured on your prompts: `kvtrim.estimate_window`.
     """
 
     name = "lazyeviction"
     summary = "recurrence-interval tracking, evicts every W decode steps (LazyEviction); needs kvtrim attention"
     needs_attention = True
+    size_params = ("budget",)
 
     budget: int | None = None
     window: int = 128
@@ -143,36 +135,25 @@ class LazyEviction(EvictionMethod):
     gqa: str = "max"
 
     def __post_init__(self):
+        super().__post_init__()
         check(self.budget is not None, "LazyEviction needs budget=")
         check(self.window >= 1, f"window must be >= 1, got {self.window}")
         check(self.budget > self.window, f"budget ({self.budget}) must exceed window ({self.window})")
         check(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
         check(self.gqa in GQA_MODES, f"gqa must be one of {', '.join(GQA_MODES)}, got '{self.gqa}'")
 
-
-    @classmethod
-    def preset(cls, model: str, dataset: str, budget: int | None = None, **params) -> LazyEviction:
-        """The official scripts' `window` and `alpha` for `(model, dataset)` (and their budget unless given).
-
-        Models: deepseek-r1-distill-qwen-7b, deepseek-r1-distill-llama-8b; datasets: gsm8k, math500, aime.
-        """
-        key = (model.lower(), dataset.lower())
-        if key not in PRESETS:
-            known = ", ".join(f"{m}/{d}" for m, d in PRESETS)
-            raise KvtrimError(f"no LazyEviction preset for {model}/{dataset}; known: {known}")
-        values = {**PRESETS[key], **params}
-        return cls(budget=budget if budget is not None else PRESET_BUDGETS[key[0]], **values)
-
     def new_state(self, layer_idx):
         return _LazyState()
 
-    def on_attention(self, layer, queries, attention):
-        state: _LazyState = layer.state
-        if attention is None:  # a multi-token forward (prefill): restart tracking, no eviction
+    def on_attention(self, view):
+        state: _LazyState = view.state
+        if view.phase is not Phase.DECODE:  # a prompt block or an append: restart tracking, no eviction
             state.step, state.ts, state.mri = 0, None, None
             return None
-        b, hkv, n = layer.keys.shape[0], layer.keys.shape[1], layer.keys.shape[2]
-        active = activity(attention[:, :, -1], hkv, self.alpha, self.gqa)
+        check(view.attention is not None, "LazyEviction needs the decode step's attention probabilities: "
+                                          "run the model with kvtrim.enable(model)")
+        b, hkv, n = view.keys.shape[:3]
+        active = activity(view.attention[:, :, -1], hkv, self.alpha, self.gqa)
         state.step += 1
         t = state.step
         if state.ts is None:
@@ -197,41 +178,3 @@ class LazyEviction(EvictionMethod):
         idx = keep.repeat_interleave(state.ts.shape[1] // keep.shape[1], dim=1)
         state.ts, state.mri = state.ts.gather(-1, idx), state.mri.gather(-1, idx)
         return state
-
-
-# ---- calibration --------------------------------------------------------------------------------
-@torch.no_grad()
-def estimate_window(
-    model,
-    tokenizer,
-    prompts: Iterable[str],
-    max_new_tokens: int = 256,
-    percentile: float = 80.0,
-    alpha: float = 1e-4,
-    gqa: str = "max",
-    chat: bool = True,
-) -> int:
-    """The paper's rule for W: the `percentile`-th percentile of the tokens' MRI after full-cache generations.
-
-    Generates each prompt greedily with a full cache while tracking TS/MRI exactly as `LazyEviction` does
-    (no eviction), then pools the final MRI of every entry with `MRI > 0` (entries that were active at
-    least once after tracking began) over all layers and heads. The model must use kvtrim attention.
-    """
-    from kvtrim.attention import is_enabled
-    from kvtrim.generate import encode_prompt, generate
-
-    check(is_enabled(model), "estimate_window needs kvtrim attention: call kvtrim.enable(model)")
-    check(0 < percentile <= 100, f"percentile must be in (0, 100], got {percentile}")
-    tracker = LazyEviction(budget=sys.maxsize, window=1, alpha=alpha, gqa=gqa)
-    values = []
-    for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt, chat=chat)
-        _, cache = generate(model, ids, tracker, max_new_tokens=max_new_tokens)
-        for layer in cache.layers:
-            state = getattr(layer, "state", None)
-            if isinstance(state, _LazyState) and state.mri is not None:
-                values.append(state.mri[state.mri > 0].flatten())
-    check(bool(values) and sum(v.numel() for v in values) > 0, "estimate_window saw no decode step: give prompts and max_new_tokens >= 2")
-    mri = torch.cat(values)
-    rank = max(1, math.ceil(percentile / 100 * mri.numel()))  # nearest-rank percentile (no size limit)
-    return max(1, int(mri.kthvalue(rank).values))

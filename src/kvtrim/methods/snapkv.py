@@ -11,17 +11,19 @@ The window attention is recomputed from the queries kvtrim's attention function 
 `window x n` product per KV head, float32, causal inside the window), so the model runs SDPA.
 
 Modes: `budget=` (entries per KV head; prompts of at most `budget` entries are left alone) or
-`compression_ratio=` (once, after the first forward: keep `int(n * (1 - compression_ratio))`, the window
+`compression_ratio=` (once, when the prompt ends: keep `kept_count(n, compression_ratio)`, the window
 shrinking to that number when it is smaller; kvpress convention).
 
 Deviations and choices (documented):
 * GQA: the official code predates GQA (it repeats K/V per query head); the score is averaged over the
   query heads of each group so that one selection per KV head frees memory (kvpress does the same).
 * Ties (frequent after max pooling) go to the earlier entry; the official `topk` breaks them arbitrarily.
-* Budget mode acts after *every* multi-token forward whose cache exceeds the budget, so a chunked
-  prefill (`generate(..., prefill_chunk_size=)`) becomes block-wise SnapKV (each chunk's last queries
-  score the retained cache plus the chunk); with a one-shot prefill this is exactly the paper's rule.
-  Single-token (decode) steps never evict.
+* Budget mode acts after *every* prompt block whose cache exceeds the budget, so a chunked prefill
+  (`generate(..., prefill_chunk_size=)`) becomes block-wise SnapKV (each chunk's last queries score the
+  retained cache plus the chunk); with a one-shot prefill this is exactly the paper's rule. Appends
+  after the prompt (a question, a new turn) and decode steps never evict. (Before the phase contract a
+  multi-token question forward also re-selected with the question's queries, which let the question
+  into a query-agnostic protocol; it no longer does.)
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span, top_indices
+from kvtrim.methods.attention_scores import causal_attention
+from kvtrim.methods.base import ScoringMethod, check, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -73,14 +75,9 @@ def snapkv_keep(scores: torch.Tensor, n: int, window: int, n_keep: int) -> torch
 
 
 # ---- the method ---------------------------------------------------------------------------------
-@dataclass
-class _SnapState:
-    forwards: int = 0  # multi-token forwards seen
-
-
-@dataclass
-class SnapKV(EvictionMethod):
-    """SnapKV: one-shot prompt compression by the observation window's pooled attention.
+@dataclass(kw_only=True)
+class SnapKV(ScoringMethod):
+    """SnapKV: prompt compression by the observation window's pooled attention.
 
     Args:
         window: observation window (last prompt queries; those entries are always kept), >= 1.
@@ -97,41 +94,24 @@ class SnapKV(EvictionMethod):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
-    budget: int | None = None
-    compression_ratio: float | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         check(self.window >= 1, f"window must be >= 1, got {self.window}")
         check(self.kernel >= 1 and self.kernel % 2 == 1, f"kernel must be an odd integer >= 1, got {self.kernel}")
         check(self.pooling in ("max", "avg"), f"pooling must be 'max' or 'avg', got '{self.pooling}'")
-        check(
-            (self.budget is None) != (self.compression_ratio is None),
-            "SnapKV needs exactly one of budget= or compression_ratio=",
-        )
         if self.budget is not None:
             check(self.budget >= self.window, f"budget ({self.budget}) must be >= window ({self.window})")
-        else:
-            check_compression_ratio(self.compression_ratio)
 
+    def prompt_queries(self):
+        return self.window
 
-    def new_state(self, layer_idx):
-        return _SnapState()
+    def score(self, view):
+        queries = view.require_queries("SnapKV")
+        window = min(self.window, view.stored - 1)
+        pooled = snapkv_scores(queries, view.keys, window, self.kernel, self.pooling, view.softmax_scale())
+        return F.pad(pooled, (0, window))  # the window itself is protected
 
-    def on_attention(self, layer, queries, attention):
-        queries = require_queries(queries, "SnapKV")
-        if queries.shape[2] == 1:  # decode step: the paper appends without eviction
-            return None
-        state: _SnapState = layer.state
-        state.forwards += 1
-        n = layer.stored
-        if self.budget is not None:
-            n_keep, window = self.budget, self.window
-        else:
-            if state.forwards > 1:
-                return None
-            n_keep = int(n * (1 - self.compression_ratio))
-            window = min(self.window, n_keep)
-        if n <= n_keep or n_keep < 1:
-            return None
-        scores = snapkv_scores(queries, layer.keys, window, self.kernel, self.pooling, layer_scaling(layer, queries))
-        return snapkv_keep(scores, n, window, n_keep)
+    def protected(self, view, n_keep):
+        # ratio mode: a budget below the window keeps the last `n_keep` entries (the window shrinks)
+        return 0, min(self.window, n_keep)

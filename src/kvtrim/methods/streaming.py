@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.base import EvictionMethod, check, check_compression_ratio, span
+from kvtrim.methods.base import Schedule, ScoringMethod, check, span
 
 
 def streaming_keep(n: int, sink_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -17,15 +17,19 @@ def streaming_keep(n: int, sink_size: int, n_keep: int, like: torch.Tensor) -> t
     return torch.cat([span(0, sink_size, like), span(n - (n_keep - sink_size), n, like)], dim=-1)
 
 
-@dataclass
-class StreamingLLM(EvictionMethod):
+@dataclass(kw_only=True)
+class StreamingLLM(ScoringMethod):
     """Keep the first `sink_size` entries ("attention sinks") and the most recent ones.
 
     Exactly one of:
-        budget: entries kept per KV head per layer; evicts at every step once the cache exceeds it
-            (prefill and decoding), as the paper's rolling cache does.
-        compression_ratio: fraction removed once, after the first forward (the prefill), kvpress style;
-            keeps `int(n * (1 - compression_ratio))` entries; later tokens are appended without eviction.
+        budget: entries kept per KV head per layer; evicts at every forward once the cache exceeds it
+            (prompt blocks, appends and decode steps), as the paper's rolling cache does.
+        compression_ratio: fraction removed once, when the prompt ends, kvpress style; keeps
+            `kept_count(n, compression_ratio)` entries; later tokens are appended without eviction.
+
+    The score is recency (the stored order is the position order); the selection is written directly
+    (sinks + the last entries) instead of a sort. At least one recent entry is always kept (with a
+    ratio leaving no more than `sink_size` entries, fewer sinks are kept).
 
     Deviation from the paper: kept keys retain their original RoPE positions (the paper re-assigns
     positions inside the rolling cache). kvpress does the same unless wrapped in `KeyRerotationPress`.
@@ -35,26 +39,20 @@ class StreamingLLM(EvictionMethod):
     summary = "attention sinks + most recent tokens (StreamingLLM)"
 
     sink_size: int = 4
-    budget: int | None = None
-    compression_ratio: float | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         check(self.sink_size >= 0, f"sink_size must be >= 0, got {self.sink_size}")
-        check(
-            (self.budget is None) != (self.compression_ratio is None),
-            "StreamingLLM needs exactly one of budget= or compression_ratio=",
-        )
         if self.budget is not None:
             check(self.budget > self.sink_size, f"budget ({self.budget}) must exceed sink_size ({self.sink_size})")
-        else:
-            check_compression_ratio(self.compression_ratio)
 
+    def schedule(self):
+        if self.budget is None:
+            return Schedule()
+        return Schedule(prefill="block", append=True, decode_slack=1)
 
-    def on_update(self, layer, n_new):
-        n = layer.stored
-        if self.budget is not None:
-            return streaming_keep(n, self.sink_size, self.budget, layer.keys)
-        if layer.seen != n_new:  # ratio mode acts on the prefill only
-            return None
-        n_keep = max(int(n * (1 - self.compression_ratio)), min(n, self.sink_size + 1))
-        return streaming_keep(n, min(self.sink_size, n_keep - 1), n_keep, layer.keys)
+    def score(self, view):
+        return view.positions  # recency (select below needs no sort)
+
+    def select(self, view, scores, n_keep):
+        return streaming_keep(view.stored, min(self.sink_size, n_keep - 1), n_keep, view.keys)

@@ -10,7 +10,8 @@ Prompt: the official code applies the same rule after the prompt's forward with 
 prompt's **last** query (so a long prompt is cut to `budget` in one go); kvpress's TOVA press does the
 same (and additionally protects the last token). Here the last query's row is recomputed from the
 handed-over post-RoPE query (one `1 x n` product per head, float32); decode steps use the exact
-probabilities that produced the layer's output. Every multi-token forward is treated like the prompt,
+probabilities that produced the layer's output. Every multi-token forward (prompt blocks, and appends such as
+a question after the prompt) is treated like the prompt,
 so a chunked prefill (`prefill_chunk_size=`) cuts the cache back to `budget` after each chunk with that
 chunk's last query (block-wise TOVA).
 
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.attention_scores import causal_attention, layer_scaling, require_queries
-from kvtrim.methods.base import EvictionMethod, check, top_indices
+from kvtrim.methods.attention_scores import causal_attention
+from kvtrim.methods.base import Schedule, ScoringMethod
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -35,22 +36,15 @@ def tova_scores(last_row: torch.Tensor) -> torch.Tensor:
     return last_row.float().mean(dim=1)
 
 
-def tova_keep(scores: torch.Tensor, budget: int, kv_heads: int) -> torch.Tensor | None:
-    """The layer-wide top `budget` of `scores` `(batch, n)`, as `(batch, kv_heads, budget)` sorted indices,
-    or None when within budget."""
-    if scores.shape[-1] <= budget:
-        return None
-    keep = top_indices(scores, budget)
-    return keep[:, None, :].expand(-1, kv_heads, -1)
-
-
 # ---- the method ---------------------------------------------------------------------------------
-@dataclass
-class TOVA(EvictionMethod):
+@dataclass(kw_only=True)
+class TOVA(ScoringMethod):
     """TOVA: keep the `budget` entries the current query attends to most (mean over the layer's heads).
 
     Args:
         budget: entries kept per layer (the same positions in every KV head), >= 1.
+        compression_ratio: alternatively (a kvtrim sizing, not in the paper), the fraction of the prompt
+            removed; the budget it gives when the prompt ends stays fixed while decoding.
     """
 
     name = "tova"
@@ -58,21 +52,14 @@ class TOVA(EvictionMethod):
     needs_queries = True
     needs_attention = True
 
-    budget: int | None = None
+    def schedule(self):
+        # every forward over budget (a ratio fixes the budget when the prompt ends)
+        return Schedule(prefill="block" if self.budget is not None else "end", append=True, decode_slack=1)
 
-    def __post_init__(self):
-        check(self.budget is not None, "TOVA needs budget=")
-        check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
-
-
-    def on_attention(self, layer, queries, attention):
-        queries = require_queries(queries, "TOVA")
-        keys = layer.keys
-        if keys.shape[2] <= self.budget:
-            return None
-        if attention is not None:
-            row = attention[:, :, -1]  # (b, q_heads, n)
+    def score(self, view):
+        if view.attention is not None:
+            row = view.attention[:, :, -1]  # (b, q_heads, n)
         else:
-            probs = causal_attention(queries[:, :, -1:], keys, layer_scaling(layer, queries))  # (b, hkv, g, 1, n)
-            row = probs.flatten(1, 3)
-        return tova_keep(tova_scores(row), self.budget, keys.shape[1])
+            queries = view.require_queries("TOVA")
+            row = causal_attention(queries[:, :, -1:], view.keys, view.softmax_scale()).flatten(1, 3)
+        return tova_scores(row)[:, None, :].expand(-1, view.kv_heads, -1)  # one set for every KV head

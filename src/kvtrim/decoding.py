@@ -1,4 +1,5 @@
-"""Greedy decoding on a prepared cache (the answer step of the harness)."""
+"""Greedy decoding on a prepared cache: the answer step of `kvtrim eval`, the passkey checks of
+`kvtrim bench --vs-kvpress` and the benchmark scripts (neutral ground for both)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,155 @@
+"""Compress once, ask many: a context prefilled and compressed once, then any number of questions.
+
+    ctx = kvtrim.compress(model, context_ids, kvtrim.SnapKV(compression_ratio=0.5))
+    answer = ctx.generate(question_ids, max_new_tokens=32)   # from a copy: ctx is unchanged
+    print(ctx.stats())
+
+`compress` feeds the context as the prompt (block-wise when the method is block-wise) and ends the
+prompt, so one-shot methods compress right after it with what they have: query-aware methods use the
+context's own last queries (as kvpress does), since the question is not known yet. Each question is
+then an *append* (`Phase.APPEND`) on a copy of the compressed cache, followed by decoding; methods that
+also evict at appends or while decoding do so on that copy.
+
+`CompressedContext.recompress(method)` replays a context prefilled once into a full cache into another
+method's cache, without running the model again. It is exact for every method whose prefill is one
+forward (see `kvtrim.compress.recompress`); `kvtrim eval` uses it to compare many methods on one prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.attention import is_enabled
+from kvtrim.cache import CacheStats, TrimCache, TrimLayer
+from kvtrim.generate import pad_token_id
+from kvtrim.methods.base import EvictionMethod, Phase, check
+from kvtrim.methods.full import FullCache
+from kvtrim.prefill import prefill
+
+
+class _QueryRecorder(FullCache):
+    """Keeps everything and records, per layer, the queries kvtrim's attention hands over."""
+
+    name = "_query_recorder"
+    needs_queries = True
+
+    def new_state(self, layer_idx):
+        return {}
+
+    def on_attention(self, view):
+        view.state["queries"] = view.queries
+        return None
+
+
+@dataclass
+class CompressedContext:
+    """A context in a compressed cache, ready for questions.
+
+    Attributes:
+        model: the model it was computed with.
+        cache: the compressed `TrimCache` (do not feed it directly; `generate` and `new_cache` copy it).
+        context_ids: `(batch, n)` the context tokens.
+        logits: `(batch, vocab)` logits of the context's last token.
+        one_shot_full: True when the context went through one forward into a full cache (then
+            `recompress` can replay it for other methods).
+    """
+
+    model: object
+    cache: TrimCache
+    context_ids: torch.Tensor
+    logits: torch.Tensor
+    one_shot_full: bool = False
+
+    @property
+    def method(self) -> EvictionMethod:
+        return self.cache.method
+
+    def stats(self) -> CacheStats:
+        return self.cache.stats()
+
+    def new_cache(self) -> TrimCache:
+        """A copy of the compressed cache, to continue from (this context stays unchanged)."""
+        return self.cache.copy()
+
+    @torch.no_grad()
+    def generate(self, question_ids: torch.Tensor, max_new_tokens: int = 32, **generate_kwargs) -> torch.Tensor:
+        """Answer `question_ids` `(batch, m)`, m >= 1, from a copy of the compressed cache with the stock
+        `model.generate` (greedy unless told otherwise). Returns the new ids `(batch, new_len)`."""
+        check(isinstance(question_ids, torch.Tensor) and question_ids.ndim == 2,
+              "question_ids must be a (batch, m) tensor of token ids")
+        check(question_ids.shape[0] == self.context_ids.shape[0],
+              f"question batch {question_ids.shape[0]} != context batch {self.context_ids.shape[0]}")
+        check(question_ids.shape[-1] >= 1, "the question must have at least one token")
+        check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
+              f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        model = self.model
+        ids = torch.cat([self.context_ids, question_ids.to(self.context_ids.device)], dim=-1).to(model.device)
+        generate_kwargs.setdefault("do_sample", False)
+        generate_kwargs.setdefault("pad_token_id", pad_token_id(model))
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=self.new_cache(),
+                             max_new_tokens=max_new_tokens, **generate_kwargs)
+        return out[:, ids.shape[-1]:]
+
+    def recompress(self, method: EvictionMethod) -> CompressedContext:
+        """This context compressed by `method` instead, without running the model again.
+
+        Only for a context prefilled in one forward into a full cache (`compress(..., FullCache(),
+        record_queries=...)`), and a method whose own prefill is one forward (no block-wise prefill:
+        eviction between blocks would change the later blocks' hidden states). Exact: with a one-shot
+        prefill every layer attends to the whole context whatever the method, so keys, values and
+        queries are the same; the method only changes what is kept."""
+        check(self.one_shot_full, "recompress needs a context prefilled in one forward into a full cache")
+        check(method.prefill_block_size() is None,
+              f"{type(method).__name__} prefills block by block: compress the context with it directly")
+        queries = [layer.state.get("queries") if isinstance(layer.state, dict) else None
+                   for layer in self.cache.layers if isinstance(layer, TrimLayer)]
+        check(not method.waits_for_attention or all(q is not None for q in queries),
+              f"{type(method).__name__} needs the context's queries: compress with record_queries=True "
+              "on a model running kvtrim attention")
+        cache = TrimCache(method, config=self.model.config)
+        with cache.phase(Phase.PREFILL, ends_prompt=True):
+            for idx, source in enumerate(self.cache.layers):
+                if not isinstance(source, TrimLayer):  # sliding-window layers: method-independent, copy them
+                    while len(cache.layers) <= idx:
+                        cache.layers.append(None)
+                    cache.layers[idx] = copy.deepcopy(source)
+                    continue
+                cache.update(source.keys, source.values, idx)
+                layer = cache.layers[idx]
+                if layer.awaiting_attention:
+                    layer.after_attention(source.state.get("queries"), None, source.attn_scaling)
+        return CompressedContext(self.model, cache, self.context_ids, self.logits)
+
+
+@torch.no_grad()
+def compress(
+    model,
+    context_ids: torch.Tensor,
+    method: EvictionMethod,
+    chunk_size: int | None | str = "auto",
+    record_queries: bool = False,
+) -> CompressedContext:
+    """Prefill `context_ids` `(batch, n)` into a `TrimCache(method)` and end the prompt (compressing it).
+
+    Args:
+        chunk_size: tokens per forward; "auto" = the method's block size (block-wise methods such as
+            KeyDiff(budget=)), else one forward; None = one forward.
+        record_queries: with a full cache (`FullCache()`) and one forward, keep every layer's queries so
+            that `recompress` can serve methods that need them (the model must run kvtrim attention).
+    """
+    check(isinstance(method, EvictionMethod), f"compress needs an eviction method, got {type(method).__name__}")
+    check(isinstance(context_ids, torch.Tensor) and context_ids.ndim == 2 and context_ids.shape[-1] >= 1,
+          "context_ids must be a (batch, n) tensor of token ids with n >= 1")
+    if chunk_size == "auto":
+        chunk_size = method.prefill_block_size()
+    one_shot_full = type(method) is FullCache and (chunk_size is None or chunk_size >= context_ids.shape[-1])
+    if record_queries:
+        check(type(method) is FullCache, "record_queries=True is for a full cache (FullCache())")
+        check(is_enabled(model), "record_queries=True needs kvtrim attention: call kvtrim.enable(model)")
+        method = _QueryRecorder()
+    cache = TrimCache(method, config=model.config)
+    logits = prefill(model, context_ids, cache, chunk_size=chunk_size)
+    return CompressedContext(model, cache, context_ids, logits, one_shot_full)

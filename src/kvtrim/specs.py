@@ -1,0 +1,188 @@
+"""The one method-spec syntax: `NAME[:param=value[:param=value...]]`, for every command.
+
+    lagkv                          LagKV with its defaults (or sized by a sweep, see `MethodSpec.build`)
+    lagkv:lag_size=64:sink_size=4  parameters after `:`; names as in `kvtrim methods` (`-` or `_`)
+    lagkv:skip_layers=0+1          a list: items joined by `+` (`,` separates specs in a list of specs)
+    keydiff:budget=1024            a spec that fixes its own size is built as given
+    streaming:budget={budget}      placeholders {budget} / {ratio}, filled per run by sweeps
+
+Values are read by the parameter's declared type (int, float, str, bool: true/false, list of ints).
+`kvtrim generate --method`, `kvtrim eval --methods` and `kvtrim bench --methods` all use this parser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrim.methods import METHODS, FullCache, method_params
+from kvtrim.methods.base import EvictionMethod, KvtrimError, check, kept_count, param_type
+
+PLACEHOLDERS = ("{budget}", "{ratio}")
+SIZINGS = ("at-budget", "ratio")
+
+
+def _read(kind: type, text: str, where: str) -> Any:
+    """`text` as a value of `kind` (placeholders are kept as text until `build`)."""
+    try:
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind is tuple:
+            return tuple(int(x) for x in text.split("+") if x.strip())
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        return text
+    except ValueError:
+        name = "list of integers (items joined by +)" if kind is tuple else kind.__name__
+        raise KvtrimError(f"{where}: cannot read '{text}' as {name}") from None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One parsed method spec: the registered `name` and its parameters (typed; placeholders as text)."""
+
+    text: str
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The spec as written (normalised: `_` in names); keys results and report columns."""
+        return self.name + "".join(f":{k}={_show(v)}" for k, v in self.params)
+
+    @property
+    def cls(self) -> type[EvictionMethod]:
+        return METHODS[self.name]
+
+    @property
+    def is_full(self) -> bool:
+        return self.name == FullCache.name
+
+    @property
+    def fixes_size(self) -> bool:
+        """True when the spec gives one of the method's size parameters (it is then built as given)."""
+        return any(k in self.cls.size_params for k, _ in self.params)
+
+    @property
+    def has_placeholders(self) -> bool:
+        return any(isinstance(v, str) and any(p in v for p in PLACEHOLDERS) for _, v in self.params)
+
+    def with_params(self, **params) -> MethodSpec:
+        """This spec with more parameters (already typed); a parameter given twice is an error."""
+        twice = sorted(set(params) & {k for k, _ in self.params})
+        check(not twice, f"{self.text}: parameter {', '.join(twice)} given twice")
+        return MethodSpec(self.text, self.name, self.params + tuple(params.items()))
+
+    def build(self, context_length: int | None = None, compression_ratio: float | None = None,
+              sizing: str = "at-budget") -> EvictionMethod:
+        """The method this spec names.
+
+        Without a context (`kvtrim generate`): built from its parameters as given. In a sweep, for a
+        context of `context_length` tokens at `compression_ratio` (`budget = kept_count(n, r)`):
+        * `full`: `FullCache()`;
+        * placeholders filled, or a spec that fixes its own size: built as given;
+        * `sizing="ratio"` and a method with a `compression_ratio` size: `compression_ratio=r`
+          (kvpress's convention: the method compresses the context once);
+        * otherwise `cls.at_budget(budget, n, **params)`: each method in its own reference form, holding
+          about `budget` entries once the context is in the cache.
+        Raises `KvtrimError` when the method cannot be configured so.
+        """
+        if self.is_full:
+            return FullCache()
+        params = dict(self.params)
+        if context_length is None:
+            check(not self.has_placeholders, f"{self.text}: placeholders need a sweep (kvtrim eval / bench)")
+            return self._construct(params)
+        check(sizing in SIZINGS, f"sizing must be one of {', '.join(SIZINGS)}, got '{sizing}'")
+        budget = kept_count(context_length, compression_ratio)
+        if self.has_placeholders:
+            params = {k: self._fill(k, v, budget, compression_ratio) for k, v in params.items()}
+            return self._construct(params)
+        if self.fixes_size:
+            return self._construct(params)
+        if sizing == "ratio" and "compression_ratio" in self.cls.size_params:
+            return self._construct({**params, "compression_ratio": compression_ratio})
+        try:
+            return self.cls.at_budget(budget, context_length, **params)
+        except TypeError as err:  # a user's at_budget that does not take these parameters
+            raise KvtrimError(f"{self.text}: {err}") from None
+
+    def validate(self) -> None:
+        """Check the parameters by building the method once, before any work: with its own size when the
+        spec gives one, else with a neutral one (a huge budget, or a ratio of 0.5). Whether a sweep cell
+        can be reached (a ratio at a length) is decided per cell by `build`."""
+        if self.is_full:
+            return
+        params = {k: v for k, v in self.params if not (isinstance(v, str) and any(p in v for p in PLACEHOLDERS))}
+        if not self.fixes_size and not self.has_placeholders:
+            if "budget" in self.cls.size_params:
+                params["budget"] = 1 << 30
+            elif "compression_ratio" in self.cls.size_params:
+                params["compression_ratio"] = 0.5
+        try:
+            self.cls(**params)
+        except TypeError as err:
+            raise KvtrimError(f"{self.text}: {err}") from None
+        except KvtrimError as err:
+            if not self.has_placeholders:  # with placeholders the size only exists per cell
+                raise KvtrimError(f"{self.text}: {err}") from None
+
+    def _construct(self, params: dict) -> EvictionMethod:
+        try:
+            return self.cls(**params)
+        except TypeError as err:
+            raise KvtrimError(f"{self.text}: {err}") from None
+
+    def _fill(self, key: str, value: Any, budget: int, ratio: float) -> Any:
+        if not isinstance(value, str) or not any(p in value for p in PLACEHOLDERS):
+            return value
+        text = value.replace("{budget}", str(budget)).replace("{ratio}", repr(ratio))
+        return _read(param_type(self.cls, key), text, self.text)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "+".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_method_spec(text: str) -> MethodSpec:
+    """Parse `NAME[:param=value...]`; unknown names, parameters and unreadable or invalid values are
+    one-line errors (`MethodSpec.validate`), raised before any work."""
+    check(isinstance(text, str) and text.strip() != "", "empty method spec")
+    text = text.strip()
+    name, *items = (part.strip() for part in text.split(":"))
+    check(name in METHODS, f"unknown method '{name}' in '{text}'; known methods: {', '.join(METHODS)}")
+    cls = METHODS[name]
+    known = {f.name for f in method_params(cls)}
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        check(bool(sep) and bool(key), f"'{text}': expected param=value after ':', got '{item}'")
+        check(key in known, f"'{text}': method '{name}' has no parameter '{key}'; its parameters: "
+                            f"{', '.join(sorted(known)) or 'none'}")
+        check(key not in params, f"'{text}': parameter '{key}' given twice")
+        value = value.strip()
+        params[key] = value if any(p in value for p in PLACEHOLDERS) else _read(param_type(cls, key), value, f"'{text}'")
+    spec = MethodSpec(text, name, tuple(params.items()))
+    spec.validate()
+    return spec
+
+
+def parse_method_specs(text: str | list[str]) -> list[MethodSpec]:
+    """A comma-separated list of specs (or a list of spec strings); duplicates are an error."""
+    items = text if isinstance(text, list) else [t for t in text.split(",") if t.strip()]
+    specs = [parse_method_spec(t) for t in items]
+    check(bool(specs), "no method given")
+    labels = [s.label for s in specs]
+    check(len(set(labels)) == len(labels), f"a method is listed twice in {', '.join(labels)}")
+    return specs

@@ -1,0 +1,268 @@
+"""The method contract, checked the same way for every registered method and for a user-defined one.
+
+Each check runs every method through one protocol on tiny random float32 models (no special cases per
+method beyond the spec that makes it evict on a ~150-token prompt). The per-method reference tests
+(test_lagkv.py, test_keydiff.py, ...) check each kept set against a slow reference; this module checks
+that every method behaves consistently across protocols: keep-everything exactness, the query-agnostic
+protocol, compress-once / ask-many, batches, one-shot vs block-wise prefill, sizing and bad parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+import kvtrim
+from kvtrim.methods import METHODS
+from kvtrim.methods.base import Phase, kept_count, param_type
+from kvtrim.specs import parse_method_spec
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_example() -> str:
+    """The custom-method example of the README (between its `example: custom-method` markers)."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"<!-- example: custom-method -->\s*```python\n(.*?)```", text, re.S)
+    assert block, "README lost its custom-method example"
+    return block.group(1)
+
+
+# the README's own example, run as written: a user-defined ScoringMethod registered by name
+_namespace: dict = {}
+exec(compile(readme_example(), "README.md", "exec"), _namespace)  # noqa: S102
+USER_METHOD = _namespace["ValueNorm"]
+
+# parameters that make each built-in evict on ~150-token prompts (user methods: their defaults)
+SPEC_PARAMS = {
+    "lagkv": ":sink_size=4:lag_size=16", "keydiff": ":block_size=32", "snapkv": ":window=8",
+    "lazyeviction": ":window=16",
+}
+NAMES = list(METHODS)  # every registered method, the README's ValueNorm included
+PROMPT, QUESTION, NEW = 150, 12, 6
+
+
+def spec_for(name: str):
+    return parse_method_spec(name + SPEC_PARAMS.get(name, ""))
+
+
+def ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvtrim.enable(tiny_model("qwen2", q_heads=6, kv_heads=2, layers=2))
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    return kvtrim.enable(tiny_model("qwen2", q_heads=6, kv_heads=2, layers=2, attn_implementation="eager"))
+
+
+def greedy(model, cache, input_ids, new=NEW):
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=new,
+                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, input_ids.shape[-1]:], torch.stack(out.scores)
+
+
+def trim_layers(cache):
+    return [layer for layer in cache.layers if isinstance(layer, kvtrim.TrimLayer)]
+
+
+def test_the_readme_method_is_registered():
+    assert METHODS["valuenorm"] is USER_METHOD and issubclass(USER_METHOD, kvtrim.ScoringMethod)
+    # a ranking method is a few lines: only `score`, no hook of its own
+    hooks = ("on_update", "on_attention", "on_prompt_end", "select", "target", "schedule")
+    for cls in (USER_METHOD, kvtrim.KNorm):
+        assert not any(h in vars(cls) for h in hooks), cls.__name__
+
+
+# ---- 1. nothing evicted: bit-identical to DynamicCache ------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_keep_everything_is_bit_identical_to_dynamic_cache(model, eager_model, name):
+    """With SDPA, and with eager attention for methods that take the decode probabilities (kvtrim's SDPA
+    wrapper computes those steps' softmax explicitly: equal to SDPA up to rounding, see test_attention)."""
+    if METHODS[name].needs_attention:
+        model = eager_model
+    prompt = ids(PROMPT, seed=1)
+    # sized for every token it will see: nothing to evict
+    method = spec_for(name).build(PROMPT + NEW, 0.0)
+    want_tokens, want_scores = greedy(model, DynamicCache(config=model.config), prompt)
+    cache = kvtrim.TrimCache(method, config=model.config)
+    tokens, scores = greedy(model, cache, prompt)
+    assert torch.equal(tokens, want_tokens) and torch.equal(scores, want_scores), method.describe()
+    assert all(layer.stored == layer.seen for layer in trim_layers(cache))
+
+
+# ---- 2. sizes: at_budget, the spec builder, stored lengths --------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_sizing_round_trip_and_stored_lengths(model, name):
+    spec = spec_for(name)
+    ratio = 0.5
+    budget = kept_count(PROMPT, ratio)
+    method = spec.build(PROMPT, ratio)
+    if not spec.is_full:
+        assert method == spec.cls.at_budget(budget, PROMPT, **dict(spec.params))
+    assert type(method)(**method.params()) == method  # parameters round-trip
+    ctx = kvtrim.compress(model, ids(PROMPT, seed=2), method)
+    stored = [layer.stored for layer in trim_layers(ctx.cache)]
+    if spec.is_full or name == "lazyeviction":  # keep the prompt (LazyEviction evicts while decoding)
+        assert stored == [PROMPT] * len(stored)
+    else:
+        assert all(s <= budget for s in stored) and min(stored) < PROMPT, (method.describe(), stored)
+    assert ctx.stats().tokens_seen == PROMPT
+
+
+# ---- 3. the query-agnostic protocol: context, a multi-token question, decoding --------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_query_agnostic_protocol(model, name, monkeypatch):
+    method = spec_for(name).build(PROMPT, 0.5)
+    context, question = ids(PROMPT, seed=3), ids(QUESTION, seed=4)
+    ctx = kvtrim.compress(model, context, method)
+    compressed = [layer.positions.clone() for layer in trim_layers(ctx.cache)]
+    assert all(layer.prompt_tokens == PROMPT for layer in trim_layers(ctx.cache))
+    # the question is an append: methods that only compress the prompt keep it whole and leave the
+    # compressed context alone (the question never steers what the context keeps)
+    cache = ctx.new_cache()
+    phases = []
+    view = kvtrim.TrimLayer.view
+
+    def recording_view(layer, *args, **kwargs):
+        phases.append(view(layer, *args, **kwargs).phase)
+        return view(layer, *args, **kwargs)
+
+    monkeypatch.setattr(kvtrim.TrimLayer, "view", recording_view)
+    kvtrim.prefill(model, question, cache)
+    monkeypatch.undo()
+    assert set(phases) == {Phase.APPEND}
+    appends_evict = isinstance(method, kvtrim.ScoringMethod) and method.schedule().append
+    for before, layer in zip(compressed, trim_layers(cache)):
+        if not appends_evict and not (name == "lagkv" and method.mode == "reference"):
+            assert torch.equal(layer.positions[..., : before.shape[-1]], before)
+            assert layer.positions[..., before.shape[-1]:].tolist() == [
+                [list(range(PROMPT, PROMPT + QUESTION))] * layer.positions.shape[1]]
+        assert layer.seen == PROMPT + QUESTION
+    # generate() from the compressed context equals a hand-driven greedy loop with explicit positions
+    answer = ctx.generate(question, max_new_tokens=NEW, pad_token_id=0)
+    hand = ctx.new_cache()
+    logits = kvtrim.prefill(model, question, hand)
+    tokens = []
+    with torch.no_grad():
+        for step in range(NEW):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            if step + 1 < NEW:
+                pos = torch.tensor([[PROMPT + QUESTION + step]])
+                logits = model(input_ids=token, cache=hand, position_ids=pos).logits[:, -1]
+    assert answer[0].tolist() == tokens
+
+
+# ---- 4. compress once, ask many ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_compress_once_two_questions_equal_two_fresh_compressions(model, name):
+    method = spec_for(name).build(PROMPT, 0.5)
+    context = ids(PROMPT, seed=5)
+    q1, q2 = ids(QUESTION, seed=6), ids(QUESTION + 3, seed=7)
+    ctx = kvtrim.compress(model, context, method)
+    before = ctx.stats()
+    a1, a2 = ctx.generate(q1, max_new_tokens=NEW), ctx.generate(q2, max_new_tokens=NEW)
+    assert ctx.stats() == before  # asking leaves the compressed context unchanged
+    f1 = kvtrim.compress(model, context, method).generate(q1, max_new_tokens=NEW)
+    f2 = kvtrim.compress(model, context, method).generate(q2, max_new_tokens=NEW)
+    assert torch.equal(a1, f1) and torch.equal(a2, f2)
+
+
+# ---- 5. a batch of two unpadded prompts equals each alone ----------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_of_two_equals_each_alone(model, name):
+    method = spec_for(name).build(PROMPT, 0.5)
+    both = torch.cat([ids(PROMPT, seed=8), ids(PROMPT, seed=9)])
+    batch = kvtrim.TrimCache(method, config=model.config)
+    tokens, scores = greedy(model, batch, both)
+    for row in range(2):
+        alone = kvtrim.TrimCache(method, config=model.config)
+        t, s = greedy(model, alone, both[row : row + 1])
+        assert torch.equal(tokens[row], t[0]), method.describe()
+        torch.testing.assert_close(scores[:, row], s[:, 0], atol=1e-4, rtol=1e-4)
+        for lb, la in zip(trim_layers(batch), trim_layers(alone)):
+            assert torch.equal(lb.positions[row], la.positions[0])
+
+
+# ---- 6. one-shot vs block-wise prefill ---------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_one_shot_and_block_wise_prefill(model, name):
+    method = spec_for(name).build(PROMPT, 0.5)
+    context, chunk = ids(PROMPT, seed=10), 32
+    one_shot = kvtrim.compress(model, context, method, chunk_size=None)
+    blocks = kvtrim.compress(model, context, method, chunk_size=chunk)
+    sched = method.schedule() if isinstance(method, kvtrim.ScoringMethod) else None
+    for a, b in zip(trim_layers(one_shot.cache), trim_layers(blocks.cache)):
+        assert b.seen == PROMPT and b.prompt_tokens == PROMPT
+        if sched is not None and sched.prefill == "block":  # evicts between blocks: memory stays bounded
+            assert b.peak <= method.fixed_budget() + chunk
+        elif not (name == "lagkv" and method.mode == "reference"):
+            # nothing evicted before the prompt ends: the same entries are kept either way
+            assert torch.equal(a.positions, b.positions), method.describe()
+    # kvtrim.generate under stock generate's chunked prefill ends the prompt at the first decode step
+    new, cache = kvtrim.generate(model, context, method, max_new_tokens=3, prefill_chunk_size=chunk)
+    assert all(layer.prompt_tokens == PROMPT for layer in trim_layers(cache))
+
+
+# ---- 7. bad parameters: one-line errors at construction ------------------------------------------------
+def bad_values(kind: type) -> list:
+    if kind is int:
+        return [2.5, "3", True, None]
+    if kind is float:
+        return ["0.5", math.nan, math.inf, True]
+    if kind is tuple:
+        return ["12", 5, (1.5,)]
+    if kind is bool:
+        return ["yes", 1]
+    return [3]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_parameter_types_are_one_line_errors(name):
+    cls = METHODS[name]
+    for f in dataclasses.fields(cls):
+        kind = param_type(cls, f.name)
+        for value in bad_values(kind):
+            if value is None and f.default is None:
+                continue  # optional parameters accept None
+            with pytest.raises(kvtrim.KvtrimError) as err:
+                cls(**{f.name: value})
+            message = str(err.value)
+            assert "\n" not in message and message, (name, f.name, value)
+
+
+def test_user_method_runs_through_cli_eval_and_bench(model, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from kvtrim.bench.runner import BenchConfig, bench_methods, measure_cell
+    from kvtrim.cli import main
+    from kvtrim.eval import PromptFormat, Runner, RunSettings, generate_samples, parse_method_specs, plan
+    from kvtrim.models import resolve_model_dir
+
+    assert main(["methods"]) == 0 and "valuenorm" in capsys.readouterr().out
+    spec = parse_method_spec("valuenorm:compression_ratio=0.5")
+    assert isinstance(spec.build(), USER_METHOD)
+    # bench
+    row = measure_cell(model, bench_methods("valuenorm")[1], ids(96, seed=11),
+                       BenchConfig(methods=[], compression_ratio=0.5, new_tokens=2, collect_garbage=False), 96)
+    assert row["status"] == "ok" and row["stored_bytes_prefill"] == row["full_bytes_prefill"] // 2
+    # eval (a tiny model whose vocabulary covers the default tokenizer)
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"))
+    big = kvtrim.enable(tiny_model("llama", vocab=49152, layers=2))
+    samples = generate_samples("passkey", PromptFormat(tok), 300, 1, seed=1, depths=(0.5,))
+    rows = Runner(big, tok, RunSettings(model="tiny", max_new_tokens=3), str(tmp_path), progress=False).run(
+        plan(samples, parse_method_specs("full,valuenorm"), [0.5]))
+    mine = [r for r in rows if r["method"] == "valuenorm"]
+    assert len(mine) == 1 and "skipped" not in mine[0] and 0.45 < mine[0]["achieved_compression"] < 0.55
