@@ -85,7 +85,7 @@ say "kvtrim bench: $MODEL on $DEVICE ($DTYPE), lengths $LENGTHS"
 set +e
 timeout $((BUDGET_S + 120)) "$PY" -m kvtrim.cli bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" \
   --lengths "$LENGTHS" --max-context 65536 --methods "$METHODS" --compression-ratio 0.75 \
-  --new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --trace-length "$TRACE" --trace-decode 256 \
+  --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --trace-length "$TRACE" --trace-decode 256 \
   --time-budget "$BUDGET_S" --out "$OUT_DIR" --name gpu 2>&1 | tee -a "$LOG" >&2
 rc=${PIPESTATUS[0]}
 set -e

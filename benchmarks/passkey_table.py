@@ -18,7 +18,7 @@ import time
 import torch
 
 import kvtrim
-from kvtrim.eval.passkey import passkey_samples
+from kvtrim.passkey import passkey_samples
 from kvtrim.generate import generate
 from kvtrim.models import load_model
 
