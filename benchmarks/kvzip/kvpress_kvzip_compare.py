@@ -170,6 +170,14 @@ def main() -> int:
             "chunks": len(range(0, n - prefix, cfg["chunk_size"])),
             "kept_ours": sum(len(h) for layer in kept_lists(mine) for h in layer),
             "kept_kvpress": sum(len(h) for layer in kv_kept for h in layer),
+            # kvpress never scores the chat head past its 4 sinks (score 0): how much of it survives
+            "chat_head_kept_kvpress": sum(len([i for i in h if 4 <= i < prefix]) for layer in kv_kept for h in layer),
+            "chat_head_entries": len(kv_kept) * len(kv_kept[0]) * (prefix - 4),
+            "kept_per_head_kvpress": {"min": min(len(h) for layer in kv_kept for h in layer),
+                                      "max": max(len(h) for layer in kv_kept for h in layer)},
+            "kept_per_layer_fraction_kvpress": {
+                "min": round(min(sum(map(len, layer)) / (len(layer) * n) for layer in kv_kept), 4),
+                "max": round(max(sum(map(len, layer)) / (len(layer) * n) for layer in kv_kept), 4)},
             "jaccard": summary(jac),
             "jaccard_per_layer_head": [[round(x, 4) for x in row] for row in jac],
             "selection_only_jaccard": summary(jaccard_per_head(kept_lists(on_theirs), kv_kept)),
