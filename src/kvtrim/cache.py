@@ -248,6 +248,9 @@ class CacheStats:
             f"(compression ratio {self.compression_ratio:.3f}, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"
         )
 
+    def __str__(self) -> str:  # `print(cache.stats())`: the one-line summary, not the dataclass repr
+        return f"CacheStats({self.summary()})"
+
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
@@ -262,7 +265,8 @@ class TrimCache(Cache):
             layers are left alone (they already bound themselves); only full-attention layers evict.
             Without it, every layer is created lazily as an evicting layer.
 
-    Use: `model.generate(input_ids, past_key_values=TrimCache(LagKV(), config=model.config))`.
+    Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))` (transformers 5.x
+    deprecates the older `past_key_values=` spelling in favour of `cache=`).
     """
 
     def __init__(self, method: EvictionMethod | None = None, config=None):
