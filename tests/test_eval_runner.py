@@ -14,7 +14,7 @@ from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.report import summarize, write_report
 from kvtrim.eval.reuse import replay, reuses_prefill, shared_prefill, waits_for_attention
-from kvtrim.eval.runner import RESULTS, Runner, RunSettings, load_rows, plan
+from kvtrim.eval.runner import RESULTS, Runner, RunSettings, plan
 from kvtrim.eval.specs import build_method, parse_method_specs
 from kvtrim.eval.tasks import generate_samples
 from kvtrim.methods import METHODS

@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # keep the CLI's stderr for our own messages
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed as one line
+        return done.code if isinstance(done.code, int) else 2
     previous = _interrupt_on_sigterm()
     try:
         return args.func(args)

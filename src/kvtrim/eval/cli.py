@@ -8,7 +8,7 @@ import sys
 import time
 
 from kvtrim.methods import METHODS
-from kvtrim.methods.base import KvtrimError, check
+from kvtrim.methods.base import check
 
 DEFAULT_RATIOS = [0.5, 0.75]
 DEFAULT_LENGTHS = [2048]
@@ -152,14 +152,13 @@ def _check_environment(cfg: dict, args) -> None:
     prepare_out_dir(cfg["out"])
 
 
-def build_samples(cfg: dict, args, tokenizer, context_limit: int):
+def build_samples(cfg: dict, args, tokenizer, context_limit: int, samples=None):
+    """The sweep's samples: generated, or `samples` read from the task file (checked against the context
+    here, before any weights load)."""
     from kvtrim.eval.prompt import PromptFormat
-    from kvtrim.eval.sample import read_task_file
     from kvtrim.eval.tasks import generate_samples
 
-    if args.task_file:
-        samples = read_task_file(args.task_file)
-        # a task file's samples are checked against the context here, before any weights load
+    if samples is not None:
         from kvtrim.eval.runner import check_sample_fits
 
         fmt = PromptFormat(tokenizer, chat=not args.raw)
@@ -239,10 +238,12 @@ def cmd_eval(args) -> int:
         print(f"wrote {files['markdown']}, {files['csv']}" + "".join(f", {p}" for p in files["plots"]))
         return 0
 
+    from kvtrim.eval.sample import read_task_file
     from kvtrim.models import context_limit, load_tokenizer_and_config
 
+    from_file = read_task_file(args.task_file) if args.task_file else None  # its rows checked before loading
     tok, config = load_tokenizer_and_config(cfg["model"])
-    samples = build_samples(cfg, args, tok, context_limit(config) or 0)
+    samples = build_samples(cfg, args, tok, context_limit(config) or 0, from_file)
     if args.write_tasks:
         write_task_file(args.write_tasks, samples)
         print(f"wrote {len(samples)} samples to {args.write_tasks}")
