@@ -181,6 +181,13 @@ def test_task_file_beyond_the_context_fails_before_the_weights(tmp_path, capsys,
     assert "beyond the model's context of 8192" in one_line_error(capsys, argv)
 
 
+def test_resuming_with_other_settings_fails_before_the_weights(tmp_path, capsys, no_weights):
+    (tmp_path / "run.json").write_text(json.dumps({"model": "smollm2-135m", "dtype": "bfloat16"}))
+    argv = ["eval", "--no-plots", "--tasks", "passkey", "--lengths", "400", "--samples", "1", "--depths", "0.5",
+            "--methods", "full", "--out", str(tmp_path)]
+    assert "holds results made with other settings" in one_line_error(capsys, argv)
+
+
 def test_eval_out_is_checked_before_the_tokenizer(capsys, no_weights, no_tokenizer, tmp_path):
     """Everything else is valid: the only thing wrong is --out, and nothing was loaded to find that out."""
     err = one_line_error(capsys, ["eval", "--tasks", "passkey", "--lengths", "512", "--out", "/proc/x/y"])

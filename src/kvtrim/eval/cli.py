@@ -251,17 +251,19 @@ def cmd_eval(args) -> int:
 
     import torch
 
+    from kvtrim.eval.runner import check_run_settings
     from kvtrim.models import load_model
 
-    torch.manual_seed(args.seed)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
     settings = RunSettings(
         model=cfg["model"], dtype=cfg["dtype"], chat=not args.raw, query_aware=cfg["query_aware"],
         compression=cfg["compression"], max_new_tokens=cfg["max_new_tokens"],
         prefill_chunk_size=args.prefill_chunk_size, reuse_prefill=not args.no_reuse,
         stop_when_answered=not args.full_answers,
     )
+    check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
+    torch.manual_seed(args.seed)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
     runner = Runner(model, tok, settings, out, progress=not args.quiet)
     jobs = plan(samples, cfg["specs"], cfg["ratios"])
     finished = False
