@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-kvpress: NVIDIA kvpress 0.5.5 (the reference kvtrim is compared with) and the older
 # transformers it needs (<5.3), apart from kvtrim's own .venv (transformers 5.x). Safe to re-run.
-#   scripts/kvpress_env.sh            -> .venv-kvpress/bin/python benchmarks/kvpress_side.py ...
+#   scripts/kvpress_env.sh   then   kvtrim bench --vs-kvpress ...   (runs src/kvtrim/bench/kvpress_side.py there)
 # torch is pinned to the same build as .venv and installed first, so the resolver keeps it and never
 # pulls a (multi-GB) CUDA build on a CPU machine.
 set -euo pipefail

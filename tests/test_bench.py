@@ -279,7 +279,9 @@ def test_kvpress_runner_recovers_kept_rows():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kvpress_side.py"
+    import kvtrim.bench
+
+    path = pathlib.Path(kvtrim.bench.__file__).resolve().with_name("kvpress_side.py")
     spec = importlib.util.spec_from_file_location("kvpress_side", path)
     side = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(side)  # imports kvpress only when a press is built

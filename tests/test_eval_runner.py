@@ -13,7 +13,7 @@ from kvtrim.attention import enable
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.report import summarize, write_report
-from kvtrim.eval.runner import RESULTS, Runner, RunSettings, load_rows, plan
+from kvtrim.eval.runner import RESULTS, Runner, RunSettings, plan
 from kvtrim.specs import parse_method_specs
 from kvtrim.eval.tasks import generate_samples
 from kvtrim.methods import METHODS

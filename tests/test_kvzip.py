@@ -182,15 +182,15 @@ def brute_global(scores, k_pool_fn, protected, layerwise):
     groups = [[i] for i in range(len(scores))] if layerwise else [list(range(len(scores)))]
     for bi in range(b):
         for layers in groups:
-            triples = [(float(scores[l][bi, hh, j]), l, hh, j) for l in layers for hh in range(h)
-                       for j in range(scores[l].shape[-1])]
+            triples = [(float(scores[li][bi, hh, j]), li, hh, j) for li in layers for hh in range(h)
+                       for j in range(scores[li].shape[-1])]
             pool = [t for t in triples if t[3] >= protected]
-            for _, l, hh, j in triples:
+            for _, li, hh, j in triples:
                 if j < protected:
-                    masks[l][bi, hh, j] = True
+                    masks[li][bi, hh, j] = True
             k = k_pool_fn(len(pool), len(triples), len(triples) - len(pool))
-            for _, l, hh, j in sorted(pool, key=lambda t: (-t[0], t[1], t[2], t[3]))[:max(k, 0)]:
-                masks[l][bi, hh, j] = True
+            for _, li, hh, j in sorted(pool, key=lambda t: (-t[0], t[1], t[2], t[3]))[:max(k, 0)]:
+                masks[li][bi, hh, j] = True
     return masks
 
 

@@ -345,6 +345,9 @@ class CacheStats:
             f"(compression ratio {self.compression_ratio:.3f}, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"
         )
 
+    def __str__(self) -> str:  # `print(cache.stats())`: the one-line summary, not the dataclass repr
+        return f"CacheStats({self.summary()})"
+
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()

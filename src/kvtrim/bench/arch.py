@@ -49,6 +49,18 @@ def _random_model(name: str, dtype: torch.dtype, device: str, seed: int):
     return model.eval()
 
 
+def configured_context(name: str) -> int | None:
+    """The configured context of `name` (an `arch:` name or a model `load_model` accepts), from its
+    config alone: no weights are loaded."""
+    if name.startswith(ARCH_PREFIX):
+        arch = name[len(ARCH_PREFIX):]
+        check(arch in ARCHS, f"unknown architecture '{arch}'; known: {', '.join(ARCHS)}")
+        return ARCHS[arch][1]["max_position_embeddings"]
+    from kvtrim.models import context_limit, load_tokenizer_and_config
+
+    return context_limit(load_tokenizer_and_config(name)[1])
+
+
 def load_bench_model(name: str, dtype: str = "float32", device: str = "cpu", max_context: int | None = None,
                      seed: int = 0):
     """`(model, tokenizer or None, info)` with kvtrim's attention function enabled.

@@ -27,13 +27,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated NAME[:param=value...] (default: every registered method at the "
                         "run's compression ratio); 'full' is always included")
     p.add_argument("--lengths", type=lengths, default=[1024, 2048, 4096, 8192],
-                   help="prompt lengths in tokens, e.g. 1024,4k")
+                   help="prompt lengths in tokens, e.g. 1024,4k, at most the model's context (a length at the "
+                        "context runs with room left for --max-new-tokens)")
     p.add_argument("--compression-ratio", type=float, default=0.75,
                    help="fraction of the prompt's entries removed (methods built with at_budget)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded after the prompt (all of them: "
                    "the benchmark does not stop at end-of-sequence)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="runs/bench", help="output folder (JSON + PNG)")
+    p.add_argument("--out", default="runs/bench",
+                   help="output folder (JSON + PNG); checked before any work, the JSON is rewritten after every cell")
     p.add_argument("--name", default="bench", help="file name prefix inside --out")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -48,6 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no new repeat (or trace) likely to end after this many seconds")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
     kv = p.add_argument_group("side by side with kvpress (--vs-kvpress)")
     kv.add_argument("--vs-kvpress", action="store_true",
                     help="compare with kvpress 0.5.5 (run scripts/kvpress_env.sh first) instead of the sweep")
@@ -61,25 +64,34 @@ def _command_line() -> str:
     return "kvtrim " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else ""
 
 
+def _check_lengths(model: str, lengths: list[int], trace_length: int, max_context: int | None) -> None:
+    """Every length within the model's context (or --max-context), known from the config alone."""
+    from kvtrim.bench.arch import configured_context
+
+    limit = configured_context(model)
+    if not limit:
+        return
+    if max_context:
+        check(max_context >= limit, f"--max-context {max_context} is below the model's context of {limit}")
+        limit = max_context
+    too_long = [n for n in lengths if n > limit]
+    check(not too_long, f"--lengths {','.join(map(str, too_long))} beyond the model's context of {limit} tokens"
+                        " (--max-context raises it, for timing only)")
+    check(trace_length <= limit, f"--trace-length {trace_length} is beyond the model's context of {limit} tokens")
+
+
+def _say(quiet: bool):
+    return (lambda s: None) if quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+
+
 def cmd_bench(args) -> int:
-    from kvtrim.bench.runner import bench_methods
+    from kvtrim.bench.runner import BenchConfig, bench_methods
+    from kvtrim.extras import require
+    from kvtrim.models import check_device, parse_dtype
+    from kvtrim.outdir import prepare_out_dir
 
-    specs = bench_methods(args.methods)  # validate before loading the model
-    out = pathlib.Path(args.out)
-    if args.vs_kvpress:
-        from kvtrim.bench.kvpress_compare import CompareConfig, run_compare
-
-        check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
-        cfg = CompareConfig(model=args.model, lengths=args.lengths, compression_ratio=args.compression_ratio,
-                            repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.max_new_tokens,
-                            kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed)
-        run_compare(cfg, out, command=_command_line(), progress=lambda s: print(s, file=sys.stderr, flush=True))
-        return 0
-
-    from kvtrim.bench.arch import load_bench_model
-    from kvtrim.bench.runner import BenchConfig, run_bench
-    from kvtrim.bench.summary import write_json
-
+    # validate everything before loading the model, the output folder last (it gets created)
+    specs = bench_methods(args.methods)
     config = BenchConfig(
         model=args.model, methods=specs, lengths=args.lengths, compression_ratio=args.compression_ratio,
         new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
@@ -87,6 +99,37 @@ def cmd_bench(args) -> int:
         threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
     )
     config.validate()
+    check(args.passkey_trials >= 1, f"--passkey-trials must be >= 1, got {args.passkey_trials}")
+    check(bool(args.name) and "/" not in args.name and args.name not in (".", ".."),
+          f"--name must be a plain file name prefix, got '{args.name}'")
+    parse_dtype(args.dtype)
+    check_device(args.device)
+    if args.vs_kvpress:
+        check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
+    elif not args.no_plots:
+        require("matplotlib", "eval", "plotting the benchmark (or pass --no-plots)")
+    _check_lengths(args.model, args.lengths, 0 if args.vs_kvpress else args.trace_length, args.max_context)
+    out = pathlib.Path(prepare_out_dir(args.out))
+
+    if args.vs_kvpress:
+        from kvtrim.bench.kvpress_compare import CompareConfig, run_compare
+
+        cfg = CompareConfig(model=args.model, lengths=args.lengths, compression_ratio=args.compression_ratio,
+                            repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.max_new_tokens,
+                            kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed)
+        run_compare(cfg, out, command=_command_line(), progress=_say(args.quiet))
+        return 0
+
+    from kvtrim.bench.arch import load_bench_model
+    from kvtrim.bench.runner import run_bench
+    from kvtrim.bench.summary import write_json
+
+    path = out / f"{args.name}.json"
+
+    def checkpoint(partial: dict) -> None:
+        partial["meta"]["command"] = _command_line()
+        write_json(partial, path)
+
     if config.threads:
         import torch
 
@@ -95,12 +138,12 @@ def cmd_bench(args) -> int:
     gc.collect()
     gc.freeze()  # the model's objects are permanent: later collections (one per measured block) stay cheap
     try:
-        result = run_bench(model, tok, config, progress=lambda s: print(s, file=sys.stderr, flush=True),
-                           model_info=info)
+        result = run_bench(model, tok, config, progress=_say(args.quiet), model_info=info, bar=not args.quiet,
+                           checkpoint=checkpoint)
     finally:
         gc.unfreeze()
     result["meta"]["command"] = _command_line()
-    path = write_json(result, out / f"{args.name}.json")
+    write_json(result, path)
     print(path)
     if not args.no_plots:
         from kvtrim.bench.plots import plot_all

@@ -1,7 +1,8 @@
 """`kvtrim bench --vs-kvpress`: the same model, prompts and compression ratio through kvtrim and kvpress 0.5.5.
 
 kvpress needs transformers < 5.3, so it runs in its own environment (`scripts/kvpress_env.sh` makes
-`.venv-kvpress`) through `benchmarks/kvpress_side.py`, which receives the prompts as token ids. Per
+`.venv-kvpress`) through `kvpress_side.py` (shipped next to this module, run there by path), which
+receives the prompts as token ids. Per
 pair of equivalent methods this reports:
 
 * selection agreement: Jaccard index of the kept positions per layer and KV head (kvtrim: the
@@ -103,7 +104,7 @@ class CompareConfig:
     new_tokens: int = 8
     pairs: list[str] = field(default_factory=lambda: [p.name for p in PAIRS])
     kvpress_python: str = ".venv-kvpress/bin/python"
-    kvpress_runner: str | None = None  # default: benchmarks/kvpress_side.py of this checkout
+    kvpress_runner: str | None = None  # default: kvpress_side.py next to this module
     threads: int | None = None
     seed: int = 0
 
@@ -291,9 +292,17 @@ def markdown(result: dict) -> str:
 def _runner_path(cfg: CompareConfig) -> pathlib.Path:
     if cfg.kvpress_runner:
         return pathlib.Path(cfg.kvpress_runner)
-    import kvtrim
+    return pathlib.Path(__file__).resolve().with_name("kvpress_side.py")
 
-    return pathlib.Path(kvtrim.__file__).resolve().parents[2] / "benchmarks" / "kvpress_side.py"
+
+# runs the kvpress side as a script without putting its folder (kvtrim/bench, whose module names such as
+# `timing` or `memory` could shadow top-level modules) at the front of that interpreter's sys.path
+_RUN_BY_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def kvpress_command(python: str | pathlib.Path, runner: str | pathlib.Path, *args: str) -> list[str]:
+    """The command line that runs the kvpress side `runner` with the kvpress environment's `python`."""
+    return [str(python), "-c", _RUN_BY_PATH, str(runner), *args]
 
 
 def run_compare(cfg: CompareConfig, out_dir: str | pathlib.Path, command: str = "",
@@ -333,8 +342,9 @@ def run_compare(cfg: CompareConfig, out_dir: str | pathlib.Path, command: str = 
     def kvpress_side(name: str, **changes) -> dict:
         (exchange / f"{name}_in.json").write_text(json.dumps({**spec, **changes}))
         t0 = time.perf_counter()
-        proc = subprocess.run([str(python), str(runner), "--input", str(exchange / f"{name}_in.json"),
-                               "--output", str(exchange / f"{name}_out.json")], capture_output=True, text=True)
+        proc = subprocess.run(kvpress_command(python, runner, "--input", str(exchange / f"{name}_in.json"),
+                                              "--output", str(exchange / f"{name}_out.json")),
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             raise KvtrimError("the kvpress side failed: " + " | ".join(tail))

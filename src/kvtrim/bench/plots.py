@@ -8,6 +8,9 @@ MIB = 2**20
 
 
 def _pyplot():
+    from kvtrim.extras import require
+
+    require("matplotlib", "eval", "plotting")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -8,7 +8,9 @@ repeat). One warm-up cell per method runs first and is discarded.
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import sys
 import platform
 import random
 import time
@@ -56,6 +58,10 @@ class BenchConfig:
         check(self.new_tokens >= 1, f"--new-tokens must be >= 1, got {self.new_tokens}")
         check(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
         check(self.trace_length >= 0 and self.trace_decode >= 0, "trace sizes must be >= 0")
+        check(self.threads is None or self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
+        check(self.time_budget_s is None or (math.isfinite(self.time_budget_s) and self.time_budget_s > 0),
+              f"--time-budget must be a positive number of seconds, got {self.time_budget_s}")
+        check(self.max_context is None or self.max_context >= 1, f"--max-context must be >= 1, got {self.max_context}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -288,8 +294,17 @@ def environment(model, config: BenchConfig) -> dict:
 
 
 def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], None] = print,
-              model_info: dict | None = None) -> dict:
-    """Run the whole benchmark; returns `{"schema", "meta", "raw", "summary", "trace"}`."""
+              model_info: dict | None = None, bar: bool = False,
+              checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run the whole benchmark; returns `{"schema", "meta", "raw", "summary", "trace"}`.
+
+    `progress` gets notices and, without `bar`, one line per measured cell; `bar` shows a tqdm progress
+    bar on stderr instead (the same bar as `kvtrim eval`, with an ETA). `checkpoint` receives the result
+    so far (`meta["complete"]` False) after every measured cell and trace, so that an interrupted or
+    failing run keeps what it measured.
+    """
+    from tqdm.auto import tqdm
+
     from kvtrim.bench.summary import summarize
 
     config.validate()
@@ -301,62 +316,94 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
     prompts = {}
     for length in config.lengths:
         n = fitted_length(model, length, config.new_tokens)
+        if n < length:
+            progress(f"length {length}: {n} prompt tokens, leaving room for {config.new_tokens} new tokens within "
+                     f"the model's context of {model.config.max_position_embeddings}")
         prompts[length] = prompt_ids(tokenizer, n, config.seed, vocab)
     meta = {"config": config.as_dict(), "env": environment(model, config), "model": model_info or {}}
     meta["prompt_tokens"] = {str(k): int(v.shape[-1]) for k, v in prompts.items()}
     started = time.perf_counter()
+    raw: list[dict] = []
+    trace: list[dict] = []
 
-    if config.warmup:
-        # one short cell per method (first calls pay one-time costs); 512 tokens at most
-        short = min(prompts, key=lambda k: prompts[k].shape[-1])
-        warm = BenchConfig(**{**config.__dict__, "new_tokens": 2})
-        for spec in config.methods:
-            measure_cell(model, spec, prompts[short][:, :512], warm, short)
-        progress(f"warm-up done ({time.perf_counter() - started:.0f} s)")
+    def result(complete: bool) -> dict:
+        meta["complete"] = complete
+        meta["wall_s"] = time.perf_counter() - started
+        return {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
+                "trace": trace}
 
-    raw = []
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(result(complete=False))
+
     total = config.repeats * len(config.lengths) * len(config.methods)
-    last_round = 0.0
-    meta["repeats_done"] = 0
-    for repeat in range(config.repeats):
-        elapsed = time.perf_counter() - started
-        if config.time_budget_s and repeat > 0 and elapsed + last_round > config.time_budget_s:
-            progress(f"time budget: stopping after {repeat} repeat(s)")
-            break
-        round_start = time.perf_counter()
-        for length in config.lengths:
-            k = repeat % len(config.methods)
-            order = config.methods[k:] + config.methods[:k]
-            for position, spec in enumerate(order):
-                row = measure_cell(model, spec, prompts[length], config, length, repeat, position)
-                raw.append(row)
-                if row["status"] == "ok":
-                    progress(
-                        f"[{len(raw)}/{total}] {spec.label} @ {row['prompt_tokens']}: prefill {row['prefill_s']:.2f} s "
-                        f"(evict {row['prefill_evict_s'] * 1000:.1f} ms), decode "
-                        f"{row['decode_tokens'] / row['decode_s']:.1f} tok/s, stored "
-                        f"{row['stored_bytes_prefill'] / 2**20:.1f} MiB"
-                    )
-                else:
-                    progress(f"[{len(raw)}/{total}] {spec.label} @ {length}: skipped ({row['reason']})")
-        last_round = time.perf_counter() - round_start
-        meta["repeats_done"] = repeat + 1
+    cells = total + (len(config.methods) if config.warmup else 0) + (len(config.methods) if config.trace_length else 0)
+    status = tqdm(total=cells, desc="kvtrim bench", unit="cell", disable=not bar, dynamic_ncols=True, file=sys.stderr)
 
-    trace = []
-    out_of_time = config.time_budget_s and time.perf_counter() - started + last_round / 2 > config.time_budget_s
-    if out_of_time:
-        progress("time budget: no stored-bytes trace")
-    if config.trace_length and not out_of_time:
-        n = fitted_length(model, config.trace_length, config.trace_decode)
-        ids = prompt_ids(tokenizer, n, config.seed, vocab)
-        for spec in config.methods:
-            trace.append(trace_cell(model, spec, ids, config))
-        progress(f"stored-bytes trace done at {ids.shape[-1]} tokens")
+    def say(message: str) -> None:
+        if bar:
+            status.write(message, file=sys.stderr)
+        else:
+            progress(message)
 
-    meta["wall_s"] = time.perf_counter() - started
+    try:
+        if config.warmup:
+            # one short cell per method (first calls pay one-time costs); 512 tokens at most
+            short = min(prompts, key=lambda k: prompts[k].shape[-1])
+            warm = BenchConfig(**{**config.__dict__, "new_tokens": 2})
+            for spec in config.methods:
+                status.set_postfix_str(f"warm-up {spec.label}", refresh=False)
+                measure_cell(model, spec, prompts[short][:, :512], warm, short)
+                status.update(1)
+            say(f"warm-up done ({time.perf_counter() - started:.0f} s)")
+
+        last_round = 0.0
+        meta["repeats_done"] = 0
+        for repeat in range(config.repeats):
+            elapsed = time.perf_counter() - started
+            if config.time_budget_s and repeat > 0 and elapsed + last_round > config.time_budget_s:
+                say(f"time budget: stopping after {repeat} repeat(s)")
+                break
+            round_start = time.perf_counter()
+            for length in config.lengths:
+                k = repeat % len(config.methods)
+                order = config.methods[k:] + config.methods[:k]
+                for position, spec in enumerate(order):
+                    row = measure_cell(model, spec, prompts[length], config, length, repeat, position)
+                    raw.append(row)
+                    save()
+                    if row["status"] == "ok":
+                        line = (f"{spec.label} @ {row['prompt_tokens']}: prefill {row['prefill_s']:.2f} s "
+                                f"(evict {row['prefill_evict_s'] * 1000:.1f} ms), decode "
+                                f"{row['decode_tokens'] / row['decode_s']:.1f} tok/s, stored "
+                                f"{row['stored_bytes_prefill'] / 2**20:.1f} MiB")
+                    else:
+                        line = f"{spec.label} @ {length}: skipped ({row['reason']})"
+                    if bar:
+                        status.set_postfix_str(line, refresh=False)
+                        status.update(1)
+                    else:
+                        progress(f"[{len(raw)}/{total}] {line}")
+            last_round = time.perf_counter() - round_start
+            meta["repeats_done"] = repeat + 1
+
+        out_of_time = config.time_budget_s and time.perf_counter() - started + last_round / 2 > config.time_budget_s
+        if out_of_time:
+            say("time budget: no stored-bytes trace")
+        if config.trace_length and not out_of_time:
+            n = fitted_length(model, config.trace_length, config.trace_decode)
+            ids = prompt_ids(tokenizer, n, config.seed, vocab)
+            for spec in config.methods:
+                status.set_postfix_str(f"trace {spec.label}", refresh=False)
+                trace.append(trace_cell(model, spec, ids, config))
+                save()
+                status.update(1)
+            say(f"stored-bytes trace done at {ids.shape[-1]} tokens")
+    finally:
+        status.close()
+
     try:
         meta["env"]["loadavg_end"] = list(os.getloadavg())
     except OSError:
         pass
-    return {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
-            "trace": trace}
+    return result(complete=True)

@@ -9,7 +9,7 @@ import time
 
 from kvtrim.cli_args import floats, lengths, names
 from kvtrim.methods import METHODS
-from kvtrim.methods.base import KvtrimError, check
+from kvtrim.methods.base import check
 
 DEFAULT_RATIOS = [0.5, 0.75]
 DEFAULT_LENGTHS = [2048]
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", help="float32 (default), bfloat16, float16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="output folder (default: runs/eval/<preset or custom>)")
+    p.add_argument("--out", help="output folder (default: runs/eval/<preset or custom>); checked before any work")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
     p.add_argument("--write-tasks", metavar="F.jsonl", help="write the generated samples to a task file and exit")
@@ -111,30 +111,42 @@ def _validate(cfg: dict, args) -> None:
     if args.prefill_chunk_size is not None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
+    _check_environment(cfg, args)
 
 
-def _load_tokenizer_and_context(model_name: str):
-    from transformers import AutoConfig, AutoTokenizer
+def _check_environment(cfg: dict, args) -> None:
+    """What this machine must offer, before the tokenizer or any weights load: the device, matplotlib
+    for the plots, a writable output folder (or task file)."""
+    from kvtrim.extras import require
+    from kvtrim.models import check_device, parse_dtype
+    from kvtrim.outdir import check_writable_file, prepare_out_dir
 
-    from kvtrim.models import resolve_model_dir
+    if args.report_only:
+        check(os.path.isdir(cfg["out"]), f"--out {cfg['out']} is not a folder (nothing to report)")
+    elif args.write_tasks:
+        check_writable_file(args.write_tasks, "--write-tasks")
+        return
+    else:
+        parse_dtype(cfg["dtype"])
+        check_device(args.device)
+    if not args.no_plots:
+        require("matplotlib", "eval", "plotting the results (or pass --no-plots)")
+    prepare_out_dir(cfg["out"])
 
-    source = resolve_model_dir(model_name)
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-        config = AutoConfig.from_pretrained(source)
-    except OSError as err:
-        raise KvtrimError(f"could not load model '{model_name}': {str(err).splitlines()[0]}") from err
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return tok, int(getattr(text, "max_position_embeddings", 0) or 0)
 
-
-def build_samples(cfg: dict, args, tokenizer, context_limit: int):
+def build_samples(cfg: dict, args, tokenizer, context_limit: int, samples=None):
+    """The sweep's samples: generated, or `samples` read from the task file (checked against the context
+    here, before any weights load)."""
     from kvtrim.eval.prompt import PromptFormat
-    from kvtrim.eval.sample import read_task_file
     from kvtrim.eval.tasks import generate_samples
 
-    if args.task_file:
-        return read_task_file(args.task_file)
+    if samples is not None:
+        from kvtrim.eval.runner import check_sample_fits
+
+        fmt = PromptFormat(tokenizer, chat=not args.raw)
+        for sample in samples:
+            check_sample_fits(fmt, sample, cfg["max_new_tokens"], context_limit)
+        return samples
     if context_limit:
         every = set(cfg["lengths"]).union(*cfg["task_lengths"].values())
         too_long = sorted(L for L in every if L > context_limit)
@@ -151,31 +163,27 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int):
 INVOCATIONS = "invocations.jsonl"
 
 
-def _log_invocation(out: str, wall: float, cpu: float, rows_run: int) -> None:
-    """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several)."""
-    import json
-
+def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupted: bool = False) -> None:
+    """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several; an interrupted
+    one is recorded too, marked `"interrupted": true`)."""
     import torch
 
+    from kvtrim.eval.jsonl import append_jsonl
+
     record = {"command": "kvtrim eval " + " ".join(sys.argv[2:]), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-              "torch_threads": torch.get_num_threads(), "rows_run": rows_run,
+              "torch_threads": torch.get_num_threads(), "rows_run": rows_run, "interrupted": interrupted,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-    with open(os.path.join(out, INVOCATIONS), "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    append_jsonl(os.path.join(out, INVOCATIONS), record)
 
 
 def _timing_lines(out: str) -> list[str]:
-    import json
+    from kvtrim.eval.jsonl import read_jsonl
 
-    path = os.path.join(out, INVOCATIONS)
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        runs = [json.loads(line) for line in f if line.strip()]
     lines = []
-    for r in runs:
+    for r in read_jsonl(os.path.join(out, INVOCATIONS)):
         lines.append(f"- `{r['command']}`: {r['rows_run']} rows in {r['wall_s'] / 60:.1f} min wall "
-                     f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}")
+                     f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}"
+                     + (" (interrupted)" if r.get("interrupted") else ""))
     return lines
 
 
@@ -212,8 +220,12 @@ def cmd_eval(args) -> int:
         print(f"wrote {files['markdown']}, {files['csv']}" + "".join(f", {p}" for p in files["plots"]))
         return 0
 
-    tok, limit = _load_tokenizer_and_context(cfg["model"])
-    samples = build_samples(cfg, args, tok, limit)
+    from kvtrim.eval.sample import read_task_file
+    from kvtrim.models import context_limit, load_tokenizer_and_config
+
+    from_file = read_task_file(args.task_file) if args.task_file else None  # its rows checked before loading
+    tok, config = load_tokenizer_and_config(cfg["model"])
+    samples = build_samples(cfg, args, tok, context_limit(config) or 0, from_file)
     if args.write_tasks:
         write_task_file(args.write_tasks, samples)
         print(f"wrote {len(samples)} samples to {args.write_tasks}")
@@ -221,23 +233,28 @@ def cmd_eval(args) -> int:
 
     import torch
 
-    from kvtrim.models import load_model, parse_dtype
+    from kvtrim.eval.runner import check_run_settings
+    from kvtrim.models import load_model
 
-    parse_dtype(cfg["dtype"])
-    torch.manual_seed(args.seed)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
     settings = RunSettings(
         model=cfg["model"], dtype=cfg["dtype"], chat=not args.raw, query_aware=cfg["query_aware"],
         compression=cfg["compression"], max_new_tokens=cfg["max_new_tokens"],
         prefill_chunk_size=args.prefill_chunk_size, reuse_prefill=not args.no_reuse,
         stop_when_answered=not args.full_answers,
     )
+    check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
+    torch.manual_seed(args.seed)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
     runner = Runner(model, tok, settings, out, progress=not args.quiet)
     jobs = plan(samples, cfg["specs"], cfg["ratios"])
-    before = len(load_rows(out)) if os.path.exists(out) else 0
-    rows = runner.run(jobs)
-    _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, len(rows) - before)
+    finished = False
+    try:
+        rows = runner.run(jobs)
+        finished = True
+    finally:
+        _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
+                        interrupted=not finished)
     files = write_report(rows, out, _header(cfg, args, out, len(samples)), not args.no_plots,
                          method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"

@@ -154,6 +154,9 @@ def skipped_notes(summary: list[dict]) -> list[str]:
 
 # ---- plots -------------------------------------------------------------------------------------------
 def _plt():
+    from kvtrim.extras import require
+
+    require("matplotlib", "eval", "plotting")
     import matplotlib
 
     matplotlib.use("Agg")

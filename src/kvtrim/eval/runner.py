@@ -12,7 +12,8 @@ Per sample:
    `results.jsonl` at once.
 
 Rows are keyed by `sample id | method label | compression ratio`; rows already in `results.jsonl` are
-skipped, so an interrupted run resumes where it stopped. `run.json` records the settings that change
+skipped, so an interrupted run resumes where it stopped (a row cut by the interruption is removed from
+the file first and redone, see `kvtrim.eval.jsonl`). `run.json` records the settings that change
 results (model, dtype, prompt format, protocol, token cap); resuming into a folder whose settings differ
 is refused.
 """
@@ -29,6 +30,7 @@ import torch
 from kvtrim.attention import is_enabled
 from kvtrim.compress import CompressedContext, compress
 from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode
+from kvtrim.eval.jsonl import read_jsonl
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.sample import Sample
 from kvtrim.eval.scoring import score_prediction
@@ -72,21 +74,25 @@ def row_key(sample_id: str, method_label: str, compression_ratio: float) -> str:
     return f"{sample_id}|{method_label}|{compression_ratio:g}"
 
 
-def load_rows(out_dir: str) -> list[dict]:
-    path = os.path.join(out_dir, RESULTS)
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by an interruption: that row is simply redone
-    return rows
+def load_rows(out_dir: str, repair: bool = False) -> list[dict]:
+    """The rows of `out_dir/results.jsonl`; a last line cut by an interruption is dropped with a warning
+    (and cut off the file with `repair`); any other unparseable line is an error."""
+    return read_jsonl(os.path.join(out_dir, RESULTS), repair=repair)
+
+
+def sample_budget(sample: Sample, cap: int | None) -> int:
+    """Tokens to generate for `sample`: its own `max_new_tokens`, capped by `cap` (--max-new-tokens)."""
+    return sample.max_new_tokens if cap is None else min(cap, sample.max_new_tokens)
+
+
+def check_sample_fits(fmt: PromptFormat, sample: Sample, cap: int | None, limit: int | None) -> None:
+    """Refuse a sample whose prompt plus the tokens to generate exceeds the model's context `limit`."""
+    if not limit:
+        return
+    prefix, suffix = fmt.encode(sample)
+    need = prefix.shape[-1] + suffix.shape[-1] + sample_budget(sample, cap)
+    check(need <= limit, f"sample {sample.id} needs {need} tokens (prompt + max_new_tokens), beyond the model's "
+                         f"context of {limit}")
 
 
 def check_run_settings(out_dir: str, settings: RunSettings) -> None:
@@ -123,6 +129,7 @@ class Runner:
     progress: bool = True
     _stop: set[int] = field(default_factory=set)
     _shared_queries: bool = False
+    rows_written: int = 0  # rows appended by this runner (also when a run is interrupted)
 
     def __post_init__(self):
         self.fmt = PromptFormat(self.tokenizer, chat=self.settings.chat)
@@ -166,8 +173,7 @@ class Runner:
         stats = cache.stats()
         if after.shape[-1]:
             logits = forward_last_logits(self.model, after, cache)
-        cap = self.settings.max_new_tokens
-        budget = sample.max_new_tokens if cap is None else min(cap, sample.max_new_tokens)
+        budget = sample_budget(sample, self.settings.max_new_tokens)
         done = None
         if self.settings.stop_when_answered:
             done = lambda t: score_prediction(  # noqa: E731
@@ -215,8 +221,10 @@ class Runner:
         """Run the jobs not yet in `results.jsonl`; returns all rows of the file afterwards."""
         from tqdm.auto import tqdm
 
+        from kvtrim.models import context_limit
+
         check_run_settings(self.out_dir, self.settings)
-        done = {row.get("key") for row in load_rows(self.out_dir)}
+        done = {row.get("key") for row in load_rows(self.out_dir, repair=True)}
         pending = [job for job in jobs if job.key not in done]
         by_sample: dict[str, list[Job]] = {}
         for job in pending:
@@ -224,15 +232,13 @@ class Runner:
         bar = tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc="kvtrim eval", unit="run",
                    disable=not self.progress, dynamic_ncols=True)
         path = os.path.join(self.out_dir, RESULTS)
+        limit = context_limit(self.model.config)
         try:
             with open(path, "a", encoding="utf-8") as out:
                 for sample_jobs in by_sample.values():
                     sample = sample_jobs[0].sample
+                    check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, limit)
                     compressed, after = self.encode(sample)
-                    limit = getattr(self.model.config, "max_position_embeddings", None)
-                    need = compressed.shape[-1] + after.shape[-1] + sample.max_new_tokens
-                    check(limit is None or need <= limit,
-                          f"sample {sample.id} needs {need} tokens, beyond the model's context of {limit}")
                     want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
                     self._shared_queries = queries
                     shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
@@ -241,6 +247,7 @@ class Runner:
                         row = self.run_job(job, compressed, after, shared)
                         out.write(json.dumps(row, ensure_ascii=False) + "\n")
                         out.flush()
+                        self.rows_written += 1
                         bar.update(1)
                     del shared
         finally:

@@ -20,6 +20,7 @@ default: measured), `depth` (0..1, needle depth, for heat maps), `id` (default `
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,19 +60,38 @@ def sample_from_dict(row: dict[str, Any], default_id: str) -> Sample:
         f"{default_id}: 'answers' must be a non-empty string or list of strings",
     )
     max_new = row.get("max_new_tokens")
-    check(isinstance(max_new, int) and max_new >= 1, f"{default_id}: 'max_new_tokens' must be a positive integer")
+    check(_is_int(max_new) and max_new >= 1,
+          f"{default_id}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
     metric = row.get("metric", "string_match_all")
     check(metric in METRICS, f"{default_id}: unknown metric '{metric}' (use one of {', '.join(METRICS)})")
     depth = row.get("depth")
-    check(depth is None or (isinstance(depth, (int, float)) and 0 <= depth <= 1),
-          f"{default_id}: 'depth' must be a number in [0, 1]")
+    check(depth is None or (_is_number(depth) and 0 <= depth <= 1),
+          f"{default_id}: 'depth' must be a number in [0, 1], got {depth!r}")
+    length = row.get("length", 0)
+    check(length is None or (_is_int(length) and length >= 0),
+          f"{default_id}: 'length' must be a non-negative integer (tokens), got {length!r}")
+    meta = row.get("meta", {})
+    check(meta is None or isinstance(meta, dict), f"{default_id}: 'meta' must be a JSON object, got {meta!r}")
+    for key in ("task", "id", "answer_prefix"):
+        value = row.get(key)
+        check(value is None or isinstance(value, (str, int)) and not isinstance(value, bool),
+              f"{default_id}: '{key}' must be a string, got {value!r}")
     task = str(row.get("task", "custom"))
     return Sample(
         id=str(row.get("id", default_id)), task=task, context=row["context"], question=row["question"],
         answers=answers, max_new_tokens=max_new, answer_prefix=str(row.get("answer_prefix", "") or ""),
-        metric=metric, length=int(row.get("length", 0) or 0), depth=None if depth is None else float(depth),
-        meta=dict(row.get("meta", {}) or {}),
+        metric=metric, length=length or 0, depth=None if depth is None else float(depth),
+        meta=dict(meta or {}),
     )
+
+
+def _is_int(value) -> bool:
+    """An integer, not a bool (JSON `true` would otherwise count as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_task_file(path: str) -> list[Sample]:

@@ -152,7 +152,7 @@ class LazyEviction(EvictionMethod):
             return None
         check(view.attention is not None, "LazyEviction needs the decode step's attention probabilities: "
                                           "run the model with kvtrim.enable(model)")
-        b, hkv, n = view.keys.shape[:3]
+        hkv, n = view.keys.shape[1], view.keys.shape[2]
         active = activity(view.attention[:, :, -1], hkv, self.alpha, self.gqa)
         state.step += 1
         t = state.step

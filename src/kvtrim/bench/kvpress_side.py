@@ -1,8 +1,10 @@
 """The kvpress side of `kvtrim bench --vs-kvpress`. Runs inside .venv-kvpress (scripts/kvpress_env.sh):
 kvpress 0.5.5 with transformers 4.57; it imports only kvpress, transformers, torch and the standard
-library (never kvtrim).
+library (never kvtrim: it ships inside the kvtrim package only so that an installed kvtrim has it, and is
+run by path, not imported as `kvtrim.bench.kvpress_side`, whose package needs transformers 5.x).
 
-    .venv-kvpress/bin/python benchmarks/kvpress_side.py --input exchange/in.json --output exchange/out.json
+    .venv-kvpress/bin/python "$(python -c 'import kvtrim.bench, os; print(os.path.dirname(kvtrim.bench.__file__))')/kvpress_side.py" \
+        --input exchange/in.json --output exchange/out.json
 
 Input (written by kvtrim): the model directory (safetensors), the compression ratio, the presses to run,
 the prompts as token ids (role "selection": timing and kept indices; role "passkey": answers), the tasks
