@@ -91,3 +91,18 @@ def test_pending_attention_handoff_does_not_keep_a_deleted_cache_alive():
     del cache
     gc.collect()
     assert layer() is None
+
+
+def test_layer_indices_beyond_the_model_are_refused_before_weights(tmp_path, capsys, monkeypatch):
+    import kvtrim.models
+
+    monkeypatch.setattr(kvtrim.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    for argv in (["generate", "--method", "lagkv:skip_layers=0+99", "--prompt", "x"],
+                 ["eval", "--methods", "lagkv:skip_layers=99", "--out", str(tmp_path / "e"), "--no-plots"],
+                 ["bench", "--methods", "lagkv:skip_layers=99", "--out", str(tmp_path / "b"), "--no-plots"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "skip_layers [99] beyond the model's 30 layers" in err and "\n" not in err, argv
+    model = tiny_model("llama")
+    with pytest.raises(kvtrim.KvtrimError, match="beyond the model's 2 layers"):
+        kvtrim.TrimCache(kvtrim.LagKV(skip_layers=(5,)), config=model.config)

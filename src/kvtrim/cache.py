@@ -376,6 +376,7 @@ class TrimCache(Cache):
             raise KvtrimError(f"TrimCache expects an eviction method, got {type(self.method).__name__}")
         layers: list = []
         if config is not None:
+            self.method.check_config(config)
             types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             for idx, (kind, kwargs) in enumerate(zip(types, per_layer_kwargs)):
                 if kind == "full_attention":

@@ -134,6 +134,7 @@ def cmd_generate(args) -> int:
     check_device(args.device)
     prompt = _read_prompt(args)
     tok, config = load_tokenizer_and_config(args.model)
+    method.check_config(config)
     ids = encode_prompt(tok, prompt, chat=not args.raw)
     if ids.shape[-1] == 0:
         raise KvtrimError("the prompt encodes to no tokens")

@@ -113,12 +113,22 @@ class MethodSpec:
         except TypeError as err:  # a user's at_budget that does not take these parameters
             raise KvtrimError(f"{self.text}: {err}") from None
 
+    def check_config(self, config) -> None:
+        """Refuse a model this spec's method cannot run on (e.g. LagKV skip_layers beyond its layers),
+        from the model's config, before any weights load."""
+        method = None if self.is_full else self._neutral()
+        if method is not None:
+            method.check_config(config)
+
     def validate(self) -> None:
         """Check the parameters by building the method once, before any work: with its own size when the
         spec gives one, else with a neutral one (a huge budget, or a ratio of 0.5). Whether a sweep cell
         can be reached (a ratio at a length) is decided per cell by `build`."""
-        if self.is_full:
-            return
+        if not self.is_full:
+            self._neutral()
+
+    def _neutral(self) -> EvictionMethod | None:
+        """The method with its own size, or a neutral one (None when only placeholders can size it)."""
         params = {k: v for k, v in self.params if not (isinstance(v, str) and any(p in v for p in PLACEHOLDERS))}
         if not self.fixes_size and not self.has_placeholders:
             if "budget" in self.cls.size_params:
@@ -126,12 +136,13 @@ class MethodSpec:
             elif "compression_ratio" in self.cls.size_params:
                 params["compression_ratio"] = 0.5
         try:
-            self.cls(**params)
+            return self.cls(**params)
         except TypeError as err:
             raise KvtrimError(f"{self.text}: {err}") from None
         except KvtrimError as err:
             if not self.has_placeholders:  # with placeholders the size only exists per cell
                 raise KvtrimError(f"{self.text}: {err}") from None
+        return None
 
     def _construct(self, params: dict) -> EvictionMethod:
         try:

@@ -108,6 +108,12 @@ def cmd_bench(args) -> int:
         check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
     elif not args.no_plots:
         require("matplotlib", "eval", "plotting the benchmark (or pass --no-plots)")
+    if not args.model.startswith("arch:"):
+        from kvtrim.models import load_tokenizer_and_config
+
+        config = load_tokenizer_and_config(args.model)[1]
+        for spec in specs:
+            spec.check_config(config)
     _check_lengths(args.model, args.lengths, 0 if args.vs_kvpress else args.trace_length, args.max_context)
     out = pathlib.Path(prepare_out_dir(args.out))
 

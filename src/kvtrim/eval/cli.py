@@ -225,6 +225,8 @@ def cmd_eval(args) -> int:
 
     from_file = read_task_file(args.task_file) if args.task_file else None  # its rows checked before loading
     tok, config = load_tokenizer_and_config(cfg["model"])
+    for spec in cfg["specs"]:
+        spec.check_config(config)
     samples = build_samples(cfg, args, tok, context_limit(config) or 0, from_file)
     if args.write_tasks:
         write_task_file(args.write_tasks, samples)

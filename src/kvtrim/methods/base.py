@@ -254,6 +254,10 @@ class EvictionMethod:
         """The prefill chunk this method is designed for (None: the prompt in one forward)."""
         return None
 
+    def check_config(self, config: Any) -> None:
+        """Refuse a model this method cannot run on (a one-line `KvtrimError`); called with the model's
+        config when a `TrimCache` is built with `config=` and by the CLI before weights load."""
+
     def prompt_queries(self) -> int:
         """How many of the prompt's last queries `on_prompt_end` needs (kept until the prompt ends)."""
         return 0

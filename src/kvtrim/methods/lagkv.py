@@ -258,6 +258,11 @@ class LagKV(ScoringMethod):
         ratio = 1 - budget / context_length
         return cls(keep_ratio=lagkv_keep_ratio_for(ratio, context_length, sink, lag), **params)
 
+    def check_config(self, config):
+        layers = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
+        beyond = [i for i in self.skip_layers if layers is not None and i >= layers]
+        check(not beyond, f"skip_layers {beyond} beyond the model's {layers} layers (0..{layers - 1 if layers else 0})")
+
     @property
     def mode(self) -> str:
         return "reference" if self.keep_ratio is not None else "global"
