@@ -16,6 +16,7 @@ from kvtrim.methods import (
     FullCache,
     KeyDiff,
     KNorm,
+    KVzip,
     KvtrimError,
     LagKV,
     LayerView,
@@ -39,6 +40,6 @@ __all__ = [
     "lagkv_chunk_sizes", "enable", "disable", "is_enabled", "TrimCache", "TrimLayer", "CacheStats",
     "EvictionMethod", "ScoringMethod", "LayerView", "Phase", "Schedule", "kept_count", "METHODS", "make_method",
     "register_method", "MethodSpec", "parse_method_spec", "KvtrimError", "FullCache", "LagKV", "KeyDiff",
-    "StreamingLLM", "SnapKV", "H2O", "TOVA", "LazyEviction", "KNorm", "lagkv_keep_ratio_for",
+    "StreamingLLM", "SnapKV", "H2O", "TOVA", "LazyEviction", "KNorm", "KVzip", "lagkv_keep_ratio_for",
     "lagkv_stored_length", "estimate_window", "lazy_eviction_preset",
 ]

@@ -127,8 +127,10 @@ class TrimLayer(DynamicLayer):
         self.state = method.new_state(layer_idx)
         self.attn_scaling: float | None = None  # the softmax scale handed over by kvtrim's attention
         self._awaiting_attention = False
-        self._forward = (Phase.PREFILL, False, 0)  # (phase, ends the prompt, entries appended) of this forward
+        # (phase, ends the prompt, entries appended, pass info) of this forward
+        self._forward: tuple[Phase, bool, int, Any] = (Phase.PREFILL, False, 0, None)
         self._prompt_queries: torch.Tensor | None = None  # kept for a deferred prompt end
+        self._scoring: tuple[torch.Tensor, ...] | None = None  # a scoring pass's transient (keys, values, positions)
 
     @property
     def owner(self) -> TrimCache | None:
@@ -140,25 +142,28 @@ class TrimLayer(DynamicLayer):
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
 
     # ---- phases ------------------------------------------------------------------------------
-    def _phase_of(self, q: int) -> tuple[Phase, bool]:
+    def _phase_of(self, q: int) -> tuple[Phase, bool, Any]:
         owner = self.owner
         declared = None if owner is None else owner._declared
         if declared is not None:
-            phase, ends = declared
-            check(phase is not Phase.PREFILL or self.prompt_tokens is None,
+            phase, ends, info = declared
+            check(phase not in (Phase.PREFILL, Phase.SCORE) or self.prompt_tokens is None,
                   "the prompt of this cache already ended: later forwards are appends or decode steps")
-            return phase, ends
+            return phase, ends, info
         if self.prompt_tokens is None and (q > 1 or self.seen == 0):
-            return Phase.PREFILL, False
-        return (Phase.APPEND if q > 1 else Phase.DECODE), False
+            return Phase.PREFILL, False, None
+        return (Phase.APPEND if q > 1 else Phase.DECODE), False, None
 
     def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None) -> LayerView:
-        """The read-only view a method gets, for the current forward."""
-        phase, ends, n_new = self._forward
+        """The read-only view a method gets, for the current forward (in a scoring pass: the stored
+        entries followed by the pass's own, which are not stored)."""
+        phase, ends, n_new, info = self._forward
+        keys, values, positions = self._scoring if self._scoring is not None else (self.keys, self.values,
+                                                                                    self.positions)
         return LayerView(
-            keys=self.keys, values=self.values, positions=self.positions, layer_idx=self.layer_idx,
+            keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
-            state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling,
+            state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling, pass_info=info,
         )
 
     def end_prompt(self) -> None:
@@ -168,7 +173,7 @@ class TrimLayer(DynamicLayer):
         self.prompt_tokens = self.seen
         if not self.is_initialized:
             return
-        self._forward = (Phase.PREFILL, True, 0)
+        self._forward = (Phase.PREFILL, True, 0, None)
         queries, self._prompt_queries = self._prompt_queries, None
         self.evict(self.method.on_prompt_end(self.view(queries=queries)))
 
@@ -198,19 +203,30 @@ class TrimLayer(DynamicLayer):
                 "or load the model with kvtrim.load_model()"
             )
         b, h, q = key_states.shape[:3]
-        phase, ends = self._phase_of(q)
-        if phase is not Phase.PREFILL:
-            self.end_prompt()
+        phase, ends, info = self._phase_of(q)
+        if phase not in (Phase.PREFILL, Phase.SCORE) and self.prompt_tokens is None:
+            owner = self.owner  # a cross-layer method ends the prompt of every layer at once
+            owner.end_prompt() if owner is not None and self.method.cross_layer else self.end_prompt()
         if positions is None:
             positions = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q)
+        positions = positions[:, None, :].expand(b, h, q)
+        if phase is Phase.SCORE:  # attend to everything, store nothing, do not advance
+            check(self.method.waits_for_attention, f"{type(self.method).__name__} has no scoring passes")
+            self._scoring = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2),
+                             torch.cat([self.positions, positions], dim=-1))
+            self._forward = (phase, False, q, info)
+            self.peak = max(self.peak, self._scoring[0].shape[-2])
+            self._awaiting_attention = True
+            _PENDING_LAYER.set(weakref.ref(self))
+            return self._scoring[0], self._scoring[1]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, positions[:, None, :].expand(b, h, q)], dim=-1)
+        self.positions = torch.cat([self.positions, positions], dim=-1)
         self.seen += q
         self.peak = max(self.peak, self.keys.shape[-2])
         if ends:
             self.prompt_tokens = self.seen
-        self._forward = (phase, ends, q)
+        self._forward = (phase, ends, q, info)
         full_keys, full_values = self.keys, self.values
 
         self.evict(self.method.on_update(self.view()))
@@ -235,7 +251,12 @@ class TrimLayer(DynamicLayer):
         if _pending() is self:
             _PENDING_LAYER.set(None)
         self.attn_scaling = scaling
-        phase, ends, _ = self._forward
+        phase, ends, _, _ = self._forward
+        if phase is Phase.SCORE:  # the pass only informs the method's state; its entries go
+            keep = self.method.on_attention(self.view(queries=queries, attention=attention))
+            check(keep is None, "a scoring pass cannot evict")
+            self._scoring = None
+            return
         tail = self.method.prompt_queries()
         if phase is Phase.PREFILL and not ends and tail and queries is not None:
             self._prompt_queries = queries[:, :, -tail:]  # for a deferred end of the prompt
@@ -244,6 +265,7 @@ class TrimLayer(DynamicLayer):
     def cancel_attention(self) -> None:
         """Stop waiting for an attention hand-off that will not come (e.g. a model without kvtrim attention)."""
         self._awaiting_attention = False
+        self._scoring = None
         if _pending() is self:
             _PENDING_LAYER.set(None)
 
@@ -281,7 +303,7 @@ class TrimLayer(DynamicLayer):
         self.seen = self.peak = self.evictions = 0
         self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
-        self._prompt_queries = None
+        self._prompt_queries = self._scoring = None
         self.cancel_attention()
 
     def _map_batch(self, fn) -> None:
@@ -395,12 +417,15 @@ class TrimCache(Cache):
 
     # ---- phases ------------------------------------------------------------------------------
     @contextmanager
-    def phase(self, phase: Phase, ends_prompt: bool = False):
+    def phase(self, phase: Phase, ends_prompt: bool = False, info: Any = None):
         """Declare the phase of the forwards run inside the block (`ends_prompt`: this forward is the
-        prompt's last). `with cache.phase(Phase.PREFILL, ends_prompt=True): model(ids, cache=cache)`."""
+        prompt's last; `info`: what a scoring pass tells the method, `view.pass_info`).
+        `with cache.phase(Phase.PREFILL, ends_prompt=True): model(ids, cache=cache)`."""
         check(isinstance(phase, Phase), f"phase must be a kvtrim Phase, got {phase!r}")
         check(not ends_prompt or phase is Phase.PREFILL, "only a prompt forward (Phase.PREFILL) can end the prompt")
-        previous, self._declared = self._declared, (phase, ends_prompt)
+        check(not (ends_prompt and self.method.cross_layer),
+              f"{type(self.method).__name__} decides across layers: end its prompt with cache.end_prompt()")
+        previous, self._declared = self._declared, (phase, ends_prompt, info)
         try:
             yield self
         finally:
@@ -413,8 +438,19 @@ class TrimCache(Cache):
         return bool(layers) and all(layer.prompt_tokens is not None for layer in layers)
 
     def end_prompt(self) -> None:
-        """End the prompt now: one-shot methods compress what every layer stores (idempotent)."""
-        for layer in self.trim_layers():
+        """End the prompt now: one-shot methods compress what every layer stores (idempotent). A
+        cross-layer method first decides every layer's kept entries at once (`select_layers`)."""
+        layers = [layer for layer in self.trim_layers() if layer.prompt_tokens is None]
+        if self.method.cross_layer and layers and all(layer.is_initialized for layer in layers):
+            for layer in layers:
+                layer._forward = (Phase.PREFILL, True, 0, None)
+                layer.prompt_tokens = layer.seen
+            keeps = self.method.select_layers([layer.view() for layer in layers])
+            check(len(keeps) == len(layers), "select_layers must return one entry per evicting layer")
+            for layer, keep in zip(layers, keeps):
+                layer.evict(keep)
+                layer.prompt_tokens = None
+        for layer in layers:
             layer.end_prompt()
 
     def trim_layers(self) -> list[TrimLayer]:

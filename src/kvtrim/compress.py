@@ -18,13 +18,14 @@ forward (see `kvtrim.compress.recompress`); `kvtrim eval` uses it to compare man
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
 
 from kvtrim.attention import is_enabled
 from kvtrim.cache import CacheStats, TrimCache, TrimLayer
-from kvtrim.generate import pad_token_id
+from kvtrim.decoding import pad_token_id
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.prefill import prefill
@@ -62,6 +63,8 @@ class CompressedContext:
     context_ids: torch.Tensor
     logits: torch.Tensor
     one_shot_full: bool = False
+    prefill_seconds: float = 0.0  # the context's prefill
+    scoring_seconds: float = 0.0  # the method's scoring passes (KVzip's reconstruction), if any
 
     @property
     def method(self) -> EvictionMethod:
@@ -75,9 +78,11 @@ class CompressedContext:
         return self.cache.copy()
 
     @torch.no_grad()
-    def generate(self, question_ids: torch.Tensor, max_new_tokens: int = 32, **generate_kwargs) -> torch.Tensor:
+    def generate(self, question_ids: torch.Tensor, max_new_tokens: int = 32, cache: TrimCache | None = None,
+                 **generate_kwargs) -> torch.Tensor:
         """Answer `question_ids` `(batch, m)`, m >= 1, from a copy of the compressed cache with the stock
-        `model.generate` (greedy unless told otherwise). Returns the new ids `(batch, new_len)`."""
+        `model.generate` (greedy unless told otherwise). `cache`: continue in this cache instead (e.g.
+        `ctx.cache` itself, when no other question will follow). Returns the new ids `(batch, new_len)`."""
         check(isinstance(question_ids, torch.Tensor) and question_ids.ndim == 2,
               "question_ids must be a (batch, m) tensor of token ids")
         check(question_ids.shape[0] == self.context_ids.shape[0],
@@ -89,7 +94,7 @@ class CompressedContext:
         ids = torch.cat([self.context_ids, question_ids.to(self.context_ids.device)], dim=-1).to(model.device)
         generate_kwargs.setdefault("do_sample", False)
         generate_kwargs.setdefault("pad_token_id", pad_token_id(model))
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=self.new_cache(),
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache if cache is not None else self.new_cache(),
                              max_new_tokens=max_new_tokens, **generate_kwargs)
         return out[:, ids.shape[-1]:]
 
@@ -102,6 +107,8 @@ class CompressedContext:
         prefill every layer attends to the whole context whatever the method, so keys, values and
         queries are the same; the method only changes what is kept."""
         check(self.one_shot_full, "recompress needs a context prefilled in one forward into a full cache")
+        check(not method.scoring_passes,
+              f"{type(method).__name__} scores the context with its own passes: compress the context with it directly")
         check(method.prefill_block_size() is None,
               f"{type(method).__name__} prefills block by block: compress the context with it directly")
         queries = [layer.state.get("queries") if isinstance(layer.state, dict) else None
@@ -131,8 +138,13 @@ def compress(
     method: EvictionMethod,
     chunk_size: int | None | str = "auto",
     record_queries: bool = False,
+    tokenizer=None,
 ) -> CompressedContext:
     """Prefill `context_ids` `(batch, n)` into a `TrimCache(method)` and end the prompt (compressing it).
+
+    Methods with scoring passes (KVzip) then run them (`Phase.SCORE`: forwards that attend to the cache
+    and store nothing) before the prompt ends; they need the model's `tokenizer` to build their inputs.
+    `ctx.prefill_seconds` and `ctx.scoring_seconds` time the two parts.
 
     Args:
         chunk_size: tokens per forward; "auto" = the method's block size (block-wise methods such as
@@ -150,6 +162,19 @@ def compress(
         check(type(method) is FullCache, "record_queries=True is for a full cache (FullCache())")
         check(is_enabled(model), "record_queries=True needs kvtrim attention: call kvtrim.enable(model)")
         method = _QueryRecorder()
+    passes = method.scoring_inputs(context_ids, tokenizer) if method.scoring_passes else []
+    check(not method.waits_for_attention or is_enabled(model),
+          f"{type(method).__name__} needs kvtrim's attention function: call kvtrim.enable(model)")
     cache = TrimCache(method, config=model.config)
-    logits = prefill(model, context_ids, cache, chunk_size=chunk_size)
-    return CompressedContext(model, cache, context_ids, logits, one_shot_full)
+    start = time.perf_counter()
+    logits = prefill(model, context_ids, cache, chunk_size=chunk_size, end_prompt=not passes)
+    prefill_seconds = time.perf_counter() - start
+    for input_ids, info in passes:
+        seen = cache.get_seq_length()
+        positions = torch.arange(seen, seen + input_ids.shape[-1], device=model.device).expand(input_ids.shape[0], -1)
+        with cache.phase(Phase.SCORE, info=info):
+            model(input_ids=input_ids.to(model.device), cache=cache, position_ids=positions, use_cache=True,
+                  logits_to_keep=1)
+    cache.end_prompt()
+    scoring_seconds = time.perf_counter() - start - prefill_seconds
+    return CompressedContext(model, cache, context_ids, logits, one_shot_full, prefill_seconds, scoring_seconds)

@@ -28,6 +28,13 @@ def forward_last_logits(model, input_ids: torch.Tensor, cache: TrimCache) -> tor
     return out.logits[:, -1]
 
 
+def pad_token_id(model) -> int | None:
+    """The model's pad token id, else its (first) end-of-sequence id."""
+    cfg = model.generation_config
+    eos = cfg.eos_token_id
+    return cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+
+
 def eos_ids(model, tokenizer=None) -> set[int]:
     ids = model.generation_config.eos_token_id
     out = set(ids if isinstance(ids, list) else [] if ids is None else [ids])

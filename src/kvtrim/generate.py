@@ -8,6 +8,7 @@ import torch
 
 from kvtrim.cache import CacheStats, TrimCache
 from kvtrim.methods.base import EvictionMethod
+from kvtrim.decoding import pad_token_id
 from kvtrim.models import check_fits
 
 
@@ -37,16 +38,24 @@ def generate(
     max_new_tokens: int = 32,
     cache: TrimCache | None = None,
     prefill_chunk_size: int | None | str = "auto",
+    tokenizer=None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, TrimCache]:
     """`model.generate` with a fresh `TrimCache(method)` (greedy unless told otherwise).
 
     `prefill_chunk_size`: feed the prompt in chunks of this many tokens (None: one forward); "auto"
     uses the method's block size when it has one (KeyDiff), so the prefill's memory stays bounded.
+    Methods with scoring passes (KVzip) need the `tokenizer`: all but the last prompt token are
+    compressed with `kvtrim.compress`, then generation continues from the last one.
     Returns `(new_token_ids (batch, new_len), cache)`.
     """
     n = input_ids.shape[-1]
     check_fits(model.config, n, max_new_tokens)
+    if cache is None and method is not None and method.scoring_passes and n >= 2:
+        from kvtrim.compress import compress
+
+        ctx = compress(model, input_ids[:, :-1], method, chunk_size=prefill_chunk_size, tokenizer=tokenizer)
+        return ctx.generate(input_ids[:, -1:], max_new_tokens, cache=ctx.cache, **generate_kwargs), ctx.cache
     cache = cache if cache is not None else TrimCache(method, config=model.config)
     if prefill_chunk_size == "auto":
         prefill_chunk_size = cache.method.prefill_block_size()
@@ -66,12 +75,6 @@ def generate(
     )
     return out[:, n:], cache
 
-
-def pad_token_id(model) -> int | None:
-    """The model's pad token id, else its (first) end-of-sequence id."""
-    cfg = model.generation_config
-    eos = cfg.eos_token_id
-    return cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
 
 
 def generate_text(

@@ -123,10 +123,12 @@ def prefill(
         block = input_ids[:, offset : offset + size]
         pos = cache.get_seq_length()
         positions = torch.arange(pos, pos + size, device=model.device).expand(b, size)
-        ends = phase is Phase.PREFILL and end_prompt and i == len(sizes) - 1
+        ends = phase is Phase.PREFILL and end_prompt and i == len(sizes) - 1 and not cache.method.cross_layer
         with cache.phase(phase, ends_prompt=ends):
             out = model(input_ids=block, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
         offset += size
+    if phase is Phase.PREFILL and end_prompt and cache.method.cross_layer:
+        cache.end_prompt()  # decided across layers, once every layer holds the whole prompt
     return out.logits[:, -1]
 
 

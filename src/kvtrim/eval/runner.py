@@ -167,8 +167,8 @@ class Runner:
         if reused:
             ctx = shared.recompress(method)
         else:
-            ctx = compress(self.model, compressed, method,
-                           chunk_size=self.settings.prefill_chunk_size or "auto")
+            ctx = compress(self.model, compressed, method, chunk_size=self.settings.prefill_chunk_size or "auto",
+                           tokenizer=self.tokenizer)
         cache, logits = ctx.cache, ctx.logits  # one question per compression: no copy needed
         stats = cache.stats()
         if after.shape[-1]:
@@ -194,7 +194,8 @@ class Runner:
 
     def _reusable(self, method: EvictionMethod) -> bool:
         """True when `method`'s cache after a shared one-shot prefill equals its own compression."""
-        return self.settings.prefill_chunk_size is None and method.prefill_block_size() is None
+        return (self.settings.prefill_chunk_size is None and method.prefill_block_size() is None
+                and not method.scoring_passes)
 
     def _can_reuse(self, method: EvictionMethod, shared: CompressedContext) -> bool:
         if not self._reusable(method):

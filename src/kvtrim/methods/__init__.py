@@ -19,6 +19,7 @@ from kvtrim.methods.full import FullCache
 from kvtrim.methods.h2o import H2O
 from kvtrim.methods.keydiff import KeyDiff
 from kvtrim.methods.knorm import KNorm
+from kvtrim.methods.kvzip import KVzip
 from kvtrim.methods.lagkv import LagKV, lagkv_keep_ratio_for, lagkv_stored_length
 from kvtrim.methods.lazy_eviction import LazyEviction
 from kvtrim.methods.snapkv import SnapKV
@@ -47,7 +48,7 @@ def register_method(cls: type[EvictionMethod], replace: bool = False) -> type[Ev
     return cls
 
 
-for _cls in (FullCache, LagKV, StreamingLLM, KeyDiff, SnapKV, H2O, TOVA, LazyEviction, KNorm):
+for _cls in (FullCache, LagKV, StreamingLLM, KeyDiff, SnapKV, H2O, TOVA, LazyEviction, KNorm, KVzip):
     register_method(_cls)
 
 
@@ -68,7 +69,7 @@ def make_method(name: str, **params) -> EvictionMethod:
 
 
 __all__ = [
-    "TOVA", "SnapKV", "LazyEviction", "H2O", "KNorm", "METHODS", "EvictionMethod", "ScoringMethod", "LayerView",
+    "TOVA", "SnapKV", "LazyEviction", "H2O", "KNorm", "KVzip", "METHODS", "EvictionMethod", "ScoringMethod", "LayerView",
     "Phase", "Schedule", "FullCache", "KeyDiff", "KvtrimError", "LagKV", "StreamingLLM", "kept_count",
     "lagkv_keep_ratio_for", "lagkv_stored_length", "make_method", "method_params", "param_type", "register_method",
 ]

@@ -16,6 +16,8 @@ infers it from the number of new tokens:
 * `Phase.APPEND`: a multi-token forward after the prompt ended (the question of a query-agnostic prompt,
   a second question, a new chat turn).
 * `Phase.DECODE`: one generated token after the prompt.
+* `Phase.SCORE`: a scoring pass run by `kvtrim.compress` before the prompt ends (KVzip's context
+  reconstruction): it attends to the cache and stores nothing.
 
 **Hooks** (all optional; the cache calls them at these moments only):
 
@@ -133,6 +135,11 @@ class Phase(str, enum.Enum):
     PREFILL = "prefill"
     APPEND = "append"
     DECODE = "decode"
+    #: a scoring pass (KVzip's context reconstruction): the forward attends to every stored entry and to
+    #: its own tokens, and stores nothing (`seen` does not advance). Only run by `kvtrim.compress` for
+    #: methods with `scoring_passes`; their `on_attention` sees it, with the pass's entries appended to
+    #: `view.keys` / `view.values` (the last `view.n_new`) and `view.pass_info` set.
+    SCORE = "score"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +169,7 @@ class LayerView:
     queries: torch.Tensor | None = None
     attention: torch.Tensor | None = None
     scaling: float | None = None
+    pass_info: Any = None
 
     @property
     def stored(self) -> int:
@@ -216,6 +224,11 @@ class EvictionMethod:
     needs_attention: ClassVar[bool] = False
     #: the parameters that fix how much the method keeps; a spec giving one is built as given
     size_params: ClassVar[tuple[str, ...]] = ()
+    #: True when the method scores the prompt with extra forwards (`scoring_inputs`, `Phase.SCORE`),
+    #: which `kvtrim.compress` runs before ending the prompt
+    scoring_passes: ClassVar[bool] = False
+    #: True when the prompt's compression is decided across layers at once (`select_layers`)
+    cross_layer: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -245,6 +258,16 @@ class EvictionMethod:
     def on_prompt_end(self, view: LayerView) -> torch.Tensor | None:
         """The deferred end of the prompt (see the module docstring). Kept indices or None."""
         return None
+
+    def select_layers(self, views: list[LayerView]) -> list[torch.Tensor | None]:
+        """Cross-layer methods: kept indices for every evicting layer at the end of the prompt (one view
+        per layer, in order); called by `TrimCache.end_prompt` before each layer's `on_prompt_end`."""
+        return [None] * len(views)
+
+    def scoring_inputs(self, context_ids: torch.Tensor, tokenizer: Any) -> list[tuple[torch.Tensor, Any]]:
+        """Methods with `scoring_passes`: the inputs `(input_ids (batch, r), pass_info)` of the passes
+        `kvtrim.compress` runs on the prefilled `context_ids` `(batch, n)` (`Phase.SCORE`)."""
+        return []
 
     def gather_state(self, state: Any, keep: torch.Tensor) -> Any:
         """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept."""
@@ -355,7 +378,7 @@ class ScoringMethod(EvictionMethod):
         budget = self.fixed_budget()
         if budget is None and view.prompt_tokens is not None:
             budget = kept_count(view.prompt_tokens, self.compression_ratio)
-        if budget is None:
+        if budget is None or view.phase is Phase.SCORE:
             return None
         if view.phase is Phase.PREFILL:
             return budget if view.prompt_end or sched.prefill == "block" else None

@@ -1,4 +1,4 @@
-"""KVzip (Kim et al., arXiv 2505.23416, NeurIPS 2025) as pure functions: no cache integration yet.
+"""KVzip (Kim et al., arXiv 2505.23416, NeurIPS 2025): pure functions and the `KVzip` method.
 
 KVzip scores every cached context entry by the attention it receives while the model *reconstructs the
 context from the cache*: after the prefill, a "repeat the previous context" prompt, the chat turn
@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtrim.methods.base import check, check_compression_ratio, top_indices
+from kvtrim.methods.base import EvictionMethod, Phase, check, check_compression_ratio, top_indices
 
 #: prompt of the first chunk (official model/wrapper.py and kvpress alike)
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -402,5 +402,139 @@ __all__ = [
     "CONTINUATION_TOKENS", "FIRST_PROMPT", "KVPRESS_CHUNK_SIZE", "LATER_PROMPT", "OFFICIAL_CHUNK_SIZE",
     "RAW_SEPARATOR", "ROUNDINGS", "ReconstructionChunk", "ReconstructionPieces", "chat_context",
     "kept_in_pool", "mask_to_indices", "reconstruction_chunks", "reconstruction_pieces",
-    "reconstruction_scores", "select_global", "select_uniform",
+    "reconstruction_scores", "select_global", "select_uniform", "KVzip", "chat_head_length",
 ]
+
+
+# ---- the method -----------------------------------------------------------------------------------
+def chat_head_length(tokenizer: Any, context_ids: torch.Tensor) -> int:
+    """Length of the chat head (the template's text before a user message) at the start of
+    `context_ids` `(batch, n)`, tokenized alone as `KVzipPress` does; 0 when the context does not start
+    with it (raw prompts, base models without a chat template)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return 0
+    head, _ = _chat_split(tokenizer, "dummy context", "\n" + "#" * len("dummy context"))
+    head_ids = _encode(tokenizer, head.split("dummy context")[0])
+    n = len(head_ids)
+    if n == 0 or context_ids.shape[-1] <= n:
+        return 0
+    return n if context_ids[0, :n].tolist() == list(head_ids) else 0
+
+
+VARIANTS = ("official", "kvpress")
+LEVELS = ("uniform", "head")
+
+
+@dataclass
+class _KVzipState:
+    scores: torch.Tensor | None = None  # (batch, kv_heads, n) running max over the reconstruction passes
+    protected: int = 0
+
+
+@dataclass(kw_only=True)
+class KVzip(EvictionMethod):
+    """KVzip: query-agnostic compression by context reconstruction (Kim et al., arXiv 2505.23416).
+
+    After the context is prefilled, `kvtrim.compress(model, ids, KVzip(...), tokenizer=tok)` feeds the
+    reconstruction inputs (`scoring_inputs`: "Repeat the previous context exactly." + the chat separator +
+    the context, chunk by chunk) as scoring passes (`Phase.SCORE`: they attend to the cache and store
+    nothing); every context entry scores the largest attention any reconstruction query of its GQA group
+    gives it (`reconstruction_scores`); then the lowest entries are evicted (`select_layers`).
+
+    Exactly one size: `compression_ratio=` (fraction of the context removed) or `budget=` (entries kept
+    per KV head and layer, protected entries included).
+
+    Args:
+        variant: "official" (snu-mllab/KVzip, default): chunks of 2000, the whole chat head is softmax
+            sinks and protected (4 sinks when the context has no chat head), the official kept count;
+            "kvpress" (KVzipPress 0.5.5): chunks of 2048, 4 sinks protected inside the budget, the rest of
+            the chat head unscored (evicted first), kvpress's count — its kept sets are reproduced exactly.
+        chunk_size: reconstruction chunk (None: the variant's).
+        level: "uniform": the same number of entries in every head and layer (the official
+            "pair-uniform" level; works on today's rectangular cache); "head": one threshold over all
+            heads and layers (the paper's default) — needs ragged storage, not available yet.
+        layerwise: with level "head", one threshold per layer (kvpress's option).
+        prompt_format: "chat": the separator is the chat template's end of turn + assistant header (as
+            kvpress derives it); "raw": a newline (for base models and plain documents; a kvtrim option).
+
+    Deviations (see `docs/kvzip.md`): float32 scores; ties go to the earlier entry (the official code
+    drops every entry tied with its threshold, kvpress breaks ties arbitrarily); the official variant
+    falls back to 4 sinks without a chat head (the official code assumes a system prompt).
+    Peak memory while scoring: the cache plus one chunk's reconstruction entries (transient) and one KV
+    head's `(group, r, sinks + chunk + r)` float32 logits.
+    """
+
+    name = "kvzip"
+    summary = "context-reconstruction attention, query-agnostic, via kvtrim.compress (KVzip); needs kvtrim attention"
+    needs_queries = True
+    scoring_passes = True
+    cross_layer = True
+    size_params = ("compression_ratio", "budget")
+
+    compression_ratio: float | None = None
+    budget: int | None = None
+    variant: str = "official"
+    chunk_size: int | None = None
+    level: str = "uniform"
+    layerwise: bool = False
+    prompt_format: str = "chat"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check((self.compression_ratio is None) != (self.budget is None),
+              "KVzip needs exactly one of budget= or compression_ratio=")
+        if self.compression_ratio is not None:
+            check_compression_ratio(self.compression_ratio)
+        else:
+            check(self.budget >= 1, f"budget must be >= 1, got {self.budget}")
+        check(self.variant in VARIANTS, f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
+        check(self.level in LEVELS, f"level must be one of {', '.join(LEVELS)}, got '{self.level}'")
+        check(self.level == "head" or not self.layerwise, "layerwise=True needs level='head'")
+        check(self.level == "uniform", "KVzip level='head' (per-head budgets) needs ragged cache storage, "
+                                       "which kvtrim does not have yet: use level='uniform'")
+        check(self.chunk_size is None or self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        check(self.prompt_format in ("chat", "raw"), f"prompt_format must be 'chat' or 'raw', got '{self.prompt_format}'")
+
+    def new_state(self, layer_idx):
+        return _KVzipState()
+
+    def scoring_inputs(self, context_ids, tokenizer):
+        check(tokenizer is not None, "KVzip builds its reconstruction prompt with the model's tokenizer: "
+                                     "kvtrim.compress(model, ids, KVzip(...), tokenizer=tok)")
+        pieces = reconstruction_pieces(tokenizer, mode=self.prompt_format, style=self.variant)
+        head = chat_head_length(tokenizer, context_ids) if self.prompt_format == "chat" else 0
+        check(head < context_ids.shape[-1], "the context holds nothing after its chat head")
+        if self.variant == "official":
+            sinks = protected = head if head else 4
+        else:
+            sinks = protected = 4
+        size = self.chunk_size or (OFFICIAL_CHUNK_SIZE if self.variant == "official" else KVPRESS_CHUNK_SIZE)
+        chunks = reconstruction_chunks(context_ids[:, head:], pieces, offset=head, chunk_size=size)
+        return [(c.input_ids, (c.start, c.stop, sinks, protected)) for c in chunks]
+
+    def on_attention(self, view):
+        if view.phase is not Phase.SCORE:
+            return None
+        start, stop, sinks, protected = view.pass_info
+        r = view.n_new
+        queries = view.require_queries("KVzip")
+        state: _KVzipState = view.state
+        state.scores = reconstruction_scores(queries, view.keys[:, :, :-r], view.keys[:, :, -r:], start, stop, sinks,
+                                             state.scores, scaling=None)
+        state.protected = protected
+        return None
+
+    def select_layers(self, views):
+        n = views[0].stored
+        if (self.budget is not None and self.budget >= n) or self.compression_ratio == 0:
+            return [None] * len(views)  # nothing to evict
+        check(all(v.state.scores is not None for v in views),
+              "KVzip scores the context with reconstruction passes: compress it with "
+              "kvtrim.compress(model, ids, KVzip(...), tokenizer=tok) (stock generate cannot run them)")
+        scores = [v.state.scores for v in views]
+        return select_uniform(scores, compression_ratio=self.compression_ratio, budget=self.budget,
+                              protected=views[0].state.protected, rounding=self.variant)
+
+    def gather_state(self, state, keep):
+        state.scores = None  # scores serve one compression
+        return state
