@@ -150,6 +150,60 @@ def test_softcap_uses_the_explicit_path():
     scenario(2, 4, 2, seed=3, decode=2, softcap=1.5)
 
 
+def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                                causal=False, **kwargs):
+    """flash-attn's documented varlen semantics, in plain torch: sequence i has queries
+    q[cu_q[i]:cu_q[i+1]] and keys k[cu_k[i]:cu_k[i+1]]; with causal=True the mask is aligned to the
+    bottom-right corner (query r of sq sees keys j <= sk - sq + r); query heads share KV heads in groups."""
+    out = torch.zeros_like(q)
+    for i in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        sq, sk = q1 - q0, k1 - k0
+        if sq == 0:
+            continue
+        g = q.shape[1] // k.shape[1]
+        kk = k[k0:k1].repeat_interleave(g, 1).transpose(0, 1)  # (H, sk, d)
+        vv = v[k0:k1].repeat_interleave(g, 1).transpose(0, 1)
+        logits = q[q0:q1].transpose(0, 1) @ kk.transpose(-1, -2) * softmax_scale  # (H, sq, sk)
+        if causal:
+            allowed = torch.arange(sk)[None, :] <= (sk - sq + torch.arange(sq))[:, None]
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        out[q0:q1] = (logits.softmax(-1) @ vv).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_flash_varlen_packing_against_a_plain_varlen_kernel(monkeypatch, side):
+    """The flash path's packing (rows = (sequence, kv_head), group heads, valid queries, scatter back) on
+    CPU, with flash-attn's documented varlen semantics written in torch in place of the CUDA kernel: the
+    packing is tested here, the kernel itself is not (no GPU, flash-attn not installed)."""
+    import sys
+    import types
+
+    from kvtrim import ragged_attention as ra
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_attn_varlen_func))
+    g = torch.Generator().manual_seed(11)
+    b, hq, hkv, d, q = 3, 6, 2, 8, 4
+    store = RaggedKV.from_dense(torch.randn(b, hkv, 20, d, generator=g), torch.randn(b, hkv, 20, d, generator=g))
+    keep = torch.rand(b, hkv, 20, generator=g) < 0.5
+    keep[2, 1] = False  # an empty row
+    store.evict(keep)
+    valid = torch.ones(b, q, dtype=torch.bool)
+    if side == "left":
+        valid[1, :2] = False
+        valid[2, :3] = False
+    else:
+        valid[1, 3:] = False
+        valid[2, 1:] = False
+    pos = 20 + (valid.long().cumsum(-1) - 1).clamp(min=0)
+    store.append(torch.randn(b, hkv, q, d, generator=g), torch.randn(b, hkv, q, d, generator=g), pos, valid)
+    query = torch.randn(b, hq, q, d, generator=g).transpose(2, 3).contiguous().transpose(2, 3)  # non-contiguous
+    want = ragged_attention(query, store, pos, valid, scaling=0.4, backend="sdpa")
+    got = ra._flash_varlen(query, store, valid, 0.4, None)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_bad_arguments():
     store = RaggedKV.from_dense(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
     q = torch.randn(1, 4, 1, 8)

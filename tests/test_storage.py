@@ -161,22 +161,47 @@ def test_a_row_can_empty_and_refill():
     assert store.stored == 0 and store.allocated_bytes() == 0 and store.width == 0
 
 
-def test_decode_at_budget_reuses_slots_without_copying():
+@pytest.mark.parametrize("form", ["mask", "indices"])
+def test_decode_at_budget_reuses_slots_without_copying(form):
     """Append one entry and evict one per row: after the first step the pools are never reallocated."""
     b, h, n, d = 2, 3, 200, 8
-    store = RaggedKV.from_dense(torch.randn(b, h, n, d), torch.randn(b, h, n, d))
+    k0, v0 = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    store = RaggedKV.from_dense(k0, v0)
+    ref = Reference(b, h)
+    ref.append(k0, v0, torch.arange(n).expand(b, n), torch.ones(b, n, dtype=torch.bool))
     ptrs = None
     for t in range(30):
-        store.append(torch.randn(b, h, 1, d), torch.randn(b, h, 1, d), torch.full((b, 1), n + t))
+        nk, nv, pos = torch.randn(b, h, 1, d), torch.randn(b, h, 1, d), torch.full((b, 1), n + t)
+        store.append(nk, nv, pos)
+        ref.append(nk, nv, pos, torch.ones(b, 1, dtype=torch.bool))
         drop = torch.randint(0, n, (b, h, 1))
         keep = torch.ones(b, h, store.width, dtype=torch.bool).scatter(2, drop, False)
-        store.evict(keep)
+        if form == "mask":
+            store.evict(keep)
+        else:
+            store.evict(keep.nonzero()[:, 2].view(b, h, n))
+        ref.evict(keep)
+        assert_matches(store, ref)
         assert store.lengths.eq(n).all()
         assert store.allocated_bytes() <= 1.02 * store.ideal_bytes()
         now = (store.keys_pool.data_ptr(), store.values_pool.data_ptr())
         if ptrs is not None:
             assert now == ptrs, f"pool reallocated at step {t}"
         ptrs = now
+
+
+def test_uniform_indices_small_and_large_evictions():
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 3, 300, 4, generator=g), torch.randn(2, 3, 300, 4, generator=g)
+    store, ref = RaggedKV.from_dense(k, v), Reference(2, 3)
+    ref.append(k, v, torch.arange(300).expand(2, 300), torch.ones(2, 300, dtype=torch.bool))
+    for kept, compacts in ((298, False), (150, True), (149, False)):
+        idx = torch.rand(2, 3, store.width, generator=g).topk(kept, dim=-1).indices.sort(-1).values
+        mask = torch.zeros(2, 3, store.width, dtype=torch.bool).scatter(2, idx, True)
+        store.evict(idx)
+        ref.evict(mask)
+        assert_matches(store, ref)
+        assert (store.capacity == store.stored) == compacts
 
 
 def test_large_eviction_compacts_to_the_exact_size():
@@ -241,6 +266,12 @@ def test_bad_inputs_give_clear_errors():
         store.evict(torch.ones(1, 2, 4, dtype=torch.bool))
     with pytest.raises(KvtrimError, match="out of range"):
         store.evict(torch.tensor([[[0, 9], [0, 1]]]))
+    with pytest.raises(KvtrimError, match="out of range"):
+        store.evict(torch.tensor([[[0, -1], [0, 9]]]))
+    with pytest.raises(KvtrimError, match="padding entry"):
+        store.evict(torch.tensor([[[0, 3], [0, 1]]]))  # row (0, 0) holds 3 entries
+    with pytest.raises(KvtrimError, match="sorted ascending"):
+        store.evict(torch.tensor([[[1, 0], [0, 1]]]))
     with pytest.raises(KvtrimError, match="keep mask must be"):
         store.evict(torch.ones(1, 2, 7, dtype=torch.bool))
     with pytest.raises(KvtrimError, match="increase"):

@@ -9,8 +9,9 @@ this step's block. Queries marked invalid (pads of a padded batch) see nothing; 
 Backends:
 
 * `"sdpa"` (the CPU default, and the GPU fallback): `torch.nn.functional.scaled_dot_product_attention`
-  over the transient padded view `(b, kv_heads, W, d)` with a boolean mask, each KV head's group of
-  query heads stacked along the query axis (`(b, kv_heads, group * q, d)`, no K/V repeat).
+  over the transient padded view `(b, kv_heads, W, d)` with a boolean mask `(b, kv_heads, q, W)`; each
+  `(sequence, kv_head)` row is one batch entry whose heads are its group of query heads, so the mask
+  broadcasts over the group (no copy per query head, no K/V repeat).
 * FlexAttention (`torch.nn.attention.flex_attention`) was measured and left out (benchmarks/ragged):
   on CPU with torch 2.13, `create_block_mask` alone costs more per step than the whole SDPA path, and
   compiling with dynamic shapes (needed: the view's width changes every step) fails in Inductor's C++
@@ -92,15 +93,19 @@ def _ungrouped(out: torch.Tensor, hq: int) -> torch.Tensor:
     return out.reshape(b, hq, gq * out.shape[1] // hq, d).transpose(1, 2).contiguous()
 
 
-def _sdpa(query, view: PaddedView, mask, scaling):
+def _sdpa(query, view: PaddedView, mask, query_valid, scaling):
+    """SDPA with every `(sequence, kv_head)` row as one batch entry and its query heads as heads: the
+    mask `(b * kv_heads, 1, q, W)` broadcasts over the group (no per-head copy of the mask, no K/V repeat)."""
     b, hq, q, d = query.shape
-    hkv = view.keys.shape[1]
+    hkv, w = view.keys.shape[1], view.width
     g = hq // hkv
-    full = mask[:, :, None].expand(b, hkv, g, q, view.width).reshape(b, hkv, g * q, view.width)
-    out = F.scaled_dot_product_attention(_grouped(query, hkv), view.keys, view.values, attn_mask=full, scale=scaling)
-    # rows that see nothing (pad queries): SDPA's safe softmax gives 0 in torch >= 2.5; make it explicit
-    out = out.masked_fill(~full.any(-1, keepdim=True), 0.0)
-    return _ungrouped(out, hq)
+    out = F.scaled_dot_product_attention(
+        query.reshape(b * hkv, g, q, d), view.keys.reshape(b * hkv, 1, w, d), view.values.reshape(b * hkv, 1, w, d),
+        attn_mask=mask.reshape(b * hkv, 1, q, w), scale=scaling, enable_gqa=True,
+    ).view(b, hq, q, d)
+    if query_valid is not None:  # pad queries see nothing: 0 (SDPA's safe softmax agrees; be explicit)
+        out = out.masked_fill(~query_valid[:, None, :, None], 0.0)
+    return out.transpose(1, 2).contiguous()
 
 
 def _flash_varlen(query, kv: RaggedKV, query_valid, scaling, softcap):
@@ -113,15 +118,16 @@ def _flash_varlen(query, kv: RaggedKV, query_valid, scaling, softcap):
     keys, values, cu_k = kv.packed_rows()
     qvalid = torch.ones(b, q, dtype=torch.bool, device=query.device) if query_valid is None else query_valid
     # queries of row (b, h): its valid tokens, each with the group's g heads -> (total_q, g, d)
-    per_row = query.view(b, hkv, g, q, d).permute(0, 1, 3, 2, 4)  # (b, hkv, q, g, d)
+    per_row = query.reshape(b, hkv, g, q, d).permute(0, 1, 3, 2, 4)  # (b, hkv, q, g, d)
     rows_valid = qvalid[:, None, :].expand(b, hkv, q)
     packed_q = per_row[rows_valid]
     cu_q = torch.zeros(b * hkv + 1, dtype=torch.int32, device=query.device)
     cu_q[1:] = rows_valid.sum(-1).reshape(-1).cumsum(0)
+    extra = {} if softcap is None else {"softcap": softcap}  # the keyword exists from flash-attn 2.6 on
     out = flash_attn_varlen_func(
         packed_q, keys.unsqueeze(1), values.unsqueeze(1), cu_q, cu_k,
         int(rows_valid.sum(-1).max()), int(kv.lengths.max()),
-        softmax_scale=scaling, causal=True, softcap=0.0 if softcap is None else softcap,
+        softmax_scale=scaling, causal=True, **extra,
     )
     full = per_row.new_zeros(b, hkv, q, g, d)
     full[rows_valid] = out
@@ -165,7 +171,7 @@ def ragged_attention(
     if softcap is not None:
         return ragged_attention_with_probabilities(query, view, query_positions, query_valid, scaling=scale,
                                                    softcap=softcap)[0]
-    return _sdpa(query, view, ragged_mask(view, query_positions, query_valid), scale)
+    return _sdpa(query, view, ragged_mask(view, query_positions, query_valid), query_valid, scale)
 
 
 def ragged_attention_with_probabilities(

@@ -262,35 +262,40 @@ class RaggedKV:
         check(valid_rows is None or valid_rows.dtype == torch.bool, "valid must be a bool tensor")
         if q == 0:
             return
-        # sorted order: each valid position exceeds the previous valid one (or the row's last stored one)
-        seen_max = positions if valid_rows is None else torch.where(valid_rows, positions, -1)
-        before = torch.cat([last[..., None], seen_max[..., :-1]], dim=-1).cummax(dim=-1).values
-        ok = positions > before
-        check(bool(ok.all() if valid_rows is None else (ok | ~valid_rows).all()),
-              "new positions must increase within a step and exceed the row's stored positions")
-
-        counts = torch.full((b, h), q, device=self.device) if valid_rows is None else valid_rows.sum(-1)
-        new_lengths = self.lengths + counts
-        m = int(counts.sum())
         was_empty = self._stored == 0 and self.capacity == 0
-        slots = self._take_slots(m, headroom)
-        if valid_rows is None:
-            new_k, new_v = keys.reshape(-1, d), values.reshape(-1, d)
-            new_pos, rank = positions.reshape(-1), torch.arange(q, device=self.device).expand(b, h, q)
+        if valid_rows is None:  # every row takes all q entries: no masks, host-side sizes
+            increasing = positions[..., 0] > last
+            if q > 1:
+                increasing = increasing & (positions.diff(dim=-1) > 0).all(-1)
+            check(bool(increasing.all()), "new positions must increase within a step and exceed the row's stored positions")
+            m, width = b * h * q, self._width + q
+            slots = self._take_slots(m, headroom)
+            self.keys_pool.index_copy_(0, slots, keys.reshape(-1, d))
+            self.values_pool.index_copy_(0, slots, values.reshape(-1, d))
+            self._reserve_columns(width, q)
+            cols = self.lengths[..., None] + torch.arange(q, device=self.device)
+            self._slots.scatter_(2, cols, slots.view(b, h, q).to(torch.int32))
+            self._positions.scatter_(2, cols, positions)
+            self.lengths = self.lengths + q
         else:
-            new_k, new_v, new_pos = keys[valid_rows], values[valid_rows], positions[valid_rows]
-            rank = valid_rows.cumsum(-1) - 1
-        self.keys_pool.index_copy_(0, slots, new_k)
-        self.values_pool.index_copy_(0, slots, new_v)
-
-        width = int(new_lengths.max()) if new_lengths.numel() else 0
-        self._reserve_columns(width, q)
-        cols = self._slots.shape[2]
-        flat = (torch.arange(b * h, device=self.device).view(b, h, 1) * cols + self.lengths[..., None] + rank)
-        flat = flat.reshape(-1) if valid_rows is None else flat[valid_rows]
-        self._slots.view(-1).index_copy_(0, flat, slots.to(torch.int32))
-        self._positions.view(-1).index_copy_(0, flat, new_pos)
-        self.lengths = new_lengths
+            # each valid position exceeds the previous valid one (or the row's last stored one)
+            before = torch.cat([last[..., None], torch.where(valid_rows, positions, -1)[..., :-1]], dim=-1)
+            ok = (positions > before.cummax(dim=-1).values) | ~valid_rows
+            check(bool(ok.all()), "new positions must increase within a step and exceed the row's stored positions")
+            counts = valid_rows.sum(-1)
+            new_lengths = self.lengths + counts
+            m = int(counts.sum())
+            width = int(new_lengths.max())
+            slots = self._take_slots(m, headroom)
+            self.keys_pool.index_copy_(0, slots, keys[valid_rows])
+            self.values_pool.index_copy_(0, slots, values[valid_rows])
+            self._reserve_columns(width, q)
+            cols = self._slots.shape[2]
+            flat = torch.arange(b * h, device=self.device).view(b, h, 1) * cols + self.lengths[..., None]
+            flat = (flat + valid_rows.cumsum(-1) - 1)[valid_rows]
+            self._slots.view(-1).index_copy_(0, flat, slots.to(torch.int32))
+            self._positions.view(-1).index_copy_(0, flat, positions[valid_rows])
+            self.lengths = new_lengths
         self._stored += m
         self._width = width
         # rows back to back from slot 0 only if the pool was empty (slots = arange) or nothing came in
@@ -299,25 +304,45 @@ class RaggedKV:
     # ---- evict -------------------------------------------------------------------------------------
     def evict(self, keep: torch.Tensor) -> None:
         """Keep only `keep` of each row: a bool mask `(batch, kv_heads, width)` over the padded view, or
-        view indices `(batch, kv_heads, k)` with -1 for "no entry". Freed slots join the free list; the
-        survivors are compacted (one copy) only when free slots exceed `max_waste` of the stored entries.
+        view indices `(batch, kv_heads, k)` sorted ascending, with -1 for "no entry" in rows keeping fewer.
+        Freed slots join the free list; the survivors are compacted (one copy) only when free slots would
+        exceed `max_waste` of the stored entries.
         """
-        mask = keep_mask(keep, self.lengths, self._width)
-        new_lengths = mask.sum(-1)
-        kept = int(new_lengths.sum())
-        if kept == self._stored:
-            return
-        slots = self._slots[..., : self._width]
-        freed = slots[self.valid & ~mask].long()
-        self._slots = compact(slots, mask)
-        self._positions = compact(self._positions[..., : self._width], mask, fill=-1)
-        self.lengths = new_lengths
-        self._stored = kept
-        self._width = self._slots.shape[2]
-        self._free = torch.cat([self._free, freed])
+        w = self._width
+        uniform = (keep.dtype != torch.bool and not keep.is_floating_point() and keep.ndim == 3
+                   and tuple(keep.shape[:2]) == tuple(self.lengths.shape) and keep.numel() > 0 and int(keep.min()) >= 0)
+        if uniform:  # every row keeps k entries (the dense contract's indices): gathers, no mask
+            keep = keep.long()
+            check(not bool((keep >= self.lengths[..., None]).any()),
+                  "keep selects a padding entry (past a row's length) or an index out of range")
+            check(not bool((keep[..., 1:] <= keep[..., :-1]).any()), "kept indices must be sorted ascending, without repeats")
+            k = keep.shape[2]
+            if k * self.batch * self.kv_heads == self._stored:
+                return
+            kept_slots = self._slots[..., :w].gather(2, keep)
+            positions = self._positions[..., :w].gather(2, keep)
+            lengths = torch.full_like(self.lengths, k)
+            if self._too_wasteful(kept_slots.numel()):
+                self._repack(kept_slots.reshape(-1), positions, lengths)
+                return
+            dropped = self.valid.scatter(2, keep, False)
+        else:
+            mask = keep_mask(keep, self.lengths, w)
+            lengths = mask.sum(-1)
+            kept = int(lengths.sum())
+            if kept == self._stored:
+                return
+            positions = compact(self._positions[..., :w], mask, fill=-1)
+            if self._too_wasteful(kept):
+                self._repack(self._slots[..., :w][mask], positions, lengths)
+                return
+            kept_slots = compact(self._slots[..., :w], mask)
+            dropped = self.valid & ~mask
+        self._free = torch.cat([self._free, self._slots[..., :w][dropped].long()])
+        self._slots, self._positions, self.lengths = kept_slots, positions, lengths
+        self._stored = int(lengths.sum())
+        self._width = kept_slots.shape[2]
         self._packed = False
-        if self.capacity - self._stored > self.max_waste * self._stored:
-            self._compact()
 
     # ---- views -------------------------------------------------------------------------------------
     def padded(self) -> PaddedView:
@@ -388,9 +413,8 @@ class RaggedKV:
         """`(batch, kv_heads)`: each row's largest stored position, -1 for empty rows."""
         if self._width == 0:
             return torch.full_like(self.lengths, -1)
-        idx = (self.lengths - 1).clamp(min=0)[..., None]
-        last = self._positions.gather(2, idx)[..., 0]
-        return torch.where(self.lengths > 0, last, -1)
+        # an empty row reads its column 0, which holds the pad value -1
+        return self._positions.gather(2, (self.lengths - 1).clamp(min=0)[..., None])[..., 0]
 
     def _take_slots(self, m: int, headroom: bool = True) -> torch.Tensor:
         """`m` slot ids for new entries: free slots first, then a grown pool (with `growth` headroom)."""
@@ -422,23 +446,31 @@ class RaggedKV:
         self._slots = torch.cat([self._slots, self._slots.new_zeros(b, h, extra)], dim=-1)
         self._positions = torch.cat([self._positions, self._positions.new_full((b, h, extra), -1)], dim=-1)
 
+    def _too_wasteful(self, kept: int) -> bool:
+        """True when keeping `kept` entries in the current pool would leave more than `max_waste` free."""
+        return self.capacity - kept > self.max_waste * kept
+
+    def _repack(self, kept_slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> None:
+        """New pools of exactly the kept entries (`kept_slots`, row-major, position order), rows back to back."""
+        self.keys_pool = self.keys_pool.index_select(0, kept_slots)
+        self.values_pool = self.values_pool.index_select(0, kept_slots)
+        self._stored = kept_slots.shape[0]
+        self._width = positions.shape[2]
+        self.lengths = lengths
+        slots = torch.zeros(*lengths.shape, self._width, dtype=torch.int32, device=self.device)
+        slots[row_mask(lengths, self._width)] = torch.arange(self._stored, dtype=torch.int32, device=self.device)
+        self._slots, self._positions = slots, positions
+        self._free = torch.empty(0, dtype=torch.long, device=self.device)
+        self._packed = True
+
     def _compact(self) -> None:
         """Copy the stored entries into pools of exactly their size, rows back to back in position order."""
         w = self._width
-        valid = self.valid
         if not self._packed:
-            idx = self._slots[..., :w][valid]
-            self.keys_pool = self.keys_pool.index_select(0, idx)
-            self.values_pool = self.values_pool.index_select(0, idx)
+            self._repack(self._slots[..., :w][self.valid], self._positions[..., :w].clone(), self.lengths)
         elif self.capacity != self._stored:  # drop the headroom (a copy: storage cannot shrink in place)
             self.keys_pool = self.keys_pool[: self._stored].clone()
             self.values_pool = self.values_pool[: self._stored].clone()
-        slots = torch.zeros(self.batch, self.kv_heads, w, dtype=torch.int32, device=self.device)
-        slots[valid] = torch.arange(self._stored, dtype=torch.int32, device=self.device)
-        self._slots = slots
-        self._positions = self._positions[..., :w].clone()
-        self._free = torch.empty(0, dtype=torch.long, device=self.device)
-        self._packed = True
 
 
 __all__ = ["PaddedView", "RaggedKV", "compact", "keep_mask", "row_mask"]
