@@ -29,24 +29,40 @@ move every later row to append one entry to a row; the slot pool appends in O(ne
 slots is bookkeeping: 4 bytes of slot id + 8 bytes of position per entry (vs 256 bytes of K+V per entry for
 head_dim 64 in bf16), reported by `bookkeeping_bytes()` and not counted in the KV bound.
 
-Integration with `TrimLayer` (plan; `cache.py` does not use this module yet):
+Integration with `TrimLayer` / `TrimCache` (plan; `cache.py` does not use this module yet):
 
-* Dense fast path: while every row of a layer holds the same number of entries and the batch has no
-  padding, `TrimLayer` keeps today's dense tensors (zero gather, bit-identical to `DynamicCache`). It
-  switches to `RaggedKV.from_dense(...)` the first time a step is padded or a method returns per-row
-  keeps of unequal sizes (AdaKV). `RaggedKV.as_dense()` is a zero-copy view when rows are equal and the
-  pool is packed, so a layer can switch back after a uniform eviction if that ever pays.
+* Two representations per layer. While every row holds the same number of entries and no step was
+  padded, `TrimLayer` keeps today's dense tensors (no gather, bit-identical to `DynamicCache`). The cache
+  switches all its evicting layers to `RaggedKV.from_dense(keys, values, positions)` together (so the mask
+  sizes below agree across layers) at the first padded step, or when a method returns per-row keeps of
+  unequal sizes (AdaKV). Ragged layers need kvtrim's attention function (the existing "unanswered
+  layer" check catches a stock one). `as_dense()` is a zero-copy view when rows are equal and packed.
+* Masks. transformers builds one mask per forward from the first full-attention layer's
+  `get_mask_sizes(q)`. A ragged layer returns `(q, seen)`: the model then builds only the `(b, 1, q, q)`
+  block of this step's tokens (or None), and `kv_offset + kv_length = seen + q` keeps the 2D padding
+  mask's columns aligned with this step's tokens. kvtrim's attention function (registered through
+  `AttentionInterface`) ignores that mask for a ragged layer and calls `ragged_attention(query,
+  layer.storage, positions, valid)` instead; the step's per-sequence validity `(b, q)` is recorded by
+  kvtrim's mask builder (registered through `AttentionMaskInterface` for "kvtrim_sdpa"/"kvtrim_eager":
+  the stock builder plus a record of the 2D mask's last q columns) so that `TrimCache.update`, which runs
+  after the mask is built and before attention, stores only valid entries (`append(..., valid=...)`).
+* Attend, then evict. `update` appends; attention reads the storage; every eviction of a ragged layer
+  (also what `on_update` decides today inside `update`) runs in `after_attention`, so this step's tokens
+  are the last entries of their rows while attention runs (what the flash varlen path relies on).
 * Methods score on `padded()`: keys/values `(b, h, W, d)`, positions `(b, h, W)`, `valid` `(b, h, W)`
-  (transient, freed after scoring). Scores at invalid entries are set to -inf by the scoring base; the
-  method returns either kept indices `(b, h, k)` with -1 for "no entry" (rows keeping fewer) or a keep
-  mask `(b, h, W)`; `evict(keep)` takes both. Per-entry method state aligned with the view (H2O's
-  accumulated scores, LazyEviction's TS/MRI) is moved with `compact(state, keep)`, the same ordering rule
-  the slot table uses.
-* AdaKV: per sequence, the layer's total budget `kv_heads * budget` is allocated by one top-k over the
-  flattened `(kv_heads * W)` scores (invalid entries -inf), after reserving each head its own top
-  `alpha_safeguard * budget`; the result is a keep mask with different counts per head -> `evict(mask)`.
-* Padded batches: pad entries are never stored (`append(..., valid=...)`); each sequence's positions are
-  its own (from `position_ids`, which `generate` derives from the attention mask).
+  (transient, freed after the step; the probability path takes the same view, so it is built once).
+  The scoring base sets invalid scores to -inf, computes kept counts per sequence from that sequence's
+  own token count (budget and `compression_ratio` per sequence), and returns kept indices `(b, h, k)`
+  with -1 for rows keeping fewer, or a keep mask; `evict(keep)` takes both (uniform `(b, h, k)` indices,
+  today's contract, take a gather-only path). Per-entry state aligned with the view (H2O's scores,
+  LazyEviction's TS/MRI) follows with `compact(state, mask)`, the rule the slot table uses.
+* AdaKV on top: per sequence, the layer's total budget `kv_heads * budget` is allocated by one top-k over
+  the flattened `(kv_heads * W)` scores (invalid entries -inf), after reserving each head its own top
+  `alpha_safeguard * budget` entries; the result is a keep mask whose counts differ per head.
+* Padded batches through stock `generate`: left padding gives per-sequence `position_ids` (cumsum of the
+  attention mask, which `update` already receives); pads are never stored; `seen` stays the global
+  token count (what `get_seq_length` and `cache_position` use) and the layer also counts valid tokens
+  per sequence for budgets. Beam search / `batch_select_indices` map to `select_batch`.
 """
 
 from __future__ import annotations
