@@ -32,6 +32,7 @@ probabilities: `output == probs @ V` exactly, `probs` aligned with the padded vi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -43,13 +44,18 @@ from kvtrim.storage import PaddedView, RaggedKV
 BACKENDS = ("auto", "sdpa", "flash")
 
 
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def flash_varlen_available(query: torch.Tensor) -> bool:
     """True when the flash-attn varlen path applies: flash_attn importable, CUDA tensor, fp16/bf16, d <= 256."""
     return (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and query.shape[-1] <= 256
-        and importlib.util.find_spec("flash_attn") is not None
+        and _flash_attn_installed()
     )
 
 
@@ -89,8 +95,8 @@ def _grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _ungrouped(out: torch.Tensor, hq: int) -> torch.Tensor:
     """`(b, kv_heads, group * q, d)` -> `(b, q, q_heads, d)` (the layout attention functions return)."""
-    b, _, gq, d = out.shape
-    return out.reshape(b, hq, gq * out.shape[1] // hq, d).transpose(1, 2).contiguous()
+    b, hkv, gq, d = out.shape
+    return out.reshape(b, hq, gq * hkv // hq, d).transpose(1, 2).contiguous()
 
 
 def _sdpa(query, view: PaddedView, mask, query_valid, scaling):
