@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python benchmarks/ragged/bench_ragged.py --output benchmarks/ragged/results.json
 
-SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), float32, `torch.set_num_threads(2)`.
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), float32, `torch.set_num_threads(2)`
+(`--threads`).
 Every comparison alternates its two sides repetition by repetition inside one run and reports medians
 and the median ratio, so load on the (shared) machine hits both sides alike. Sections:
 
@@ -340,6 +341,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="benchmarks/ragged/results.json")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention section (compiles)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the tables and figure from --output")
     args = parser.parse_args()
@@ -347,13 +349,13 @@ def main() -> None:
     if args.report_only:
         report(json.loads(out.read_text()), out.with_name("tables.md"), out.with_suffix(".png"))
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.time()
     load_before = os.getloadavg()
     result = {
         "command": "PYTHONPATH=src python benchmarks/ragged/bench_ragged.py " + " ".join(
-            f"--repeats {args.repeats}".split() + (["--no-flex"] if args.no_flex else [])),
+            f"--repeats {args.repeats} --threads {args.threads}".split() + (["--no-flex"] if args.no_flex else [])),
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(), "machine": platform.machine(),
                         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -19,12 +19,13 @@ than `max_waste` free, the survivors are compacted into a pool of exactly their 
 position order (one `index_select`: the same copy today's dense eviction does, but only for large evictions).
 
 Why slots and not pages of 16 or 256 entries (measured, `benchmarks/ragged/bench_ragged.py`, recorded in
-`benchmarks/ragged/results.json`): a page of B entries wastes up to B - 1 slots per row; with 3 KV heads ×
-batch 8 = 24 rows at budgets of 64-256 entries, B = 16 wastes 3-12 % on average, far above the 2 % bound,
-so pages would need compaction anyway. Gathering slots (rows of `head_dim` elements) to build the padded
-view costs the same as gathering pages on CPU at these sizes (both are memory-bound copies), and the paged
-kernels that would read pages in place (flash-attn's `block_table`) need pages of 256 entries, which the
-bound rules out for short rows. A packed layout (rows contiguous, offsets) meets the bound too but must
+`benchmarks/ragged/results.json`): a page of B entries wastes up to B - 1 slots per row; for 3 KV heads
+× batch 1 or 8 with AdaKV-like lengths around a budget, 16-entry pages allocate 1.13-1.15× the ideal bytes
+at budget 64, 1.06-1.08× at 128, 1.02-1.04× at 256, so pages would need compaction anyway to meet 1.02×.
+Building the padded view from pages is no faster at 1k entries per row (0.91-1.02× the slot gather) and
+0.62× at batch 8 × 4k, so pages would pay off for long rows only; and the paged kernels that would read
+pages in place (flash-attn's `block_table`) need pages of 256 entries, which the bound rules out for
+short rows. A packed layout (rows contiguous, offsets) meets the bound too but must
 move every later row to append one entry to a row; the slot pool appends in O(new entries). The price of
 slots is bookkeeping: 4 bytes of slot id + 8 bytes of position per entry (vs 256 bytes of K+V per entry for
 head_dim 64 in bf16), reported by `bookkeeping_bytes()` and not counted in the KV bound.
