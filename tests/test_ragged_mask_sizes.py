@@ -47,7 +47,7 @@ def test_step_only_mask_sizes_give_the_step_block_and_its_padding():
     cache = DynamicCache()
     cache.layers = [StepOnlyMaskLayer() for _ in range(2)]
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False,
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
     prompt, *decode = records["builder"]
     assert prompt[:3] == (4, 4, 0) and torch.equal(prompt[3], mask.bool())
