@@ -219,7 +219,7 @@ def _same(a, b):
     assert len(a) == len(b)
     for step, (x, y) in enumerate(zip(a, b)):
         if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y), f"generated tokens differ"
+            assert torch.equal(x, y), "generated tokens differ"
         else:
             assert all(torch.equal(p, q) for p, q in zip(x, y)), f"kept positions differ after forward {step}"
 

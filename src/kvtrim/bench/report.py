@@ -61,9 +61,11 @@ def decode_table(result: dict) -> str:
         same = r.get("decode_same_size_full_s")
         stored = r.get("stored_per_layer_prefill") or []
         entries = "–" if not stored else str(stored[0]) if stored[0] == stored[-1] else f"{stored[0]}–{stored[-1]}"
-        same_cell = "–" if not same else f"{same / tokens * 1000:.1f} ({_f(r.get('decode_step_vs_same_size'), '.2f')})"
+        ratio = _f(r.get("decode_step_vs_same_size"), ".2f")
+        same_cell = "–" if not same else f"{same / tokens * 1000:.1f} ({ratio})"
         lines.append(f"| {r['prompt_tokens']} | {r['method']} | {entries} | {step * 1000:.1f} | {same_cell} "
-                     f"| {per_step * 1000:.2f} ({_f(r['evict_share_decode'], '.1f', 100)} %) | {r['decode_evictions']:.0f} |")
+                     f"| {per_step * 1000:.2f} ({_f(r['evict_share_decode'], '.1f', 100)} %) "
+                     f"| {r['decode_evictions']:.0f} |")
     return "\n".join(lines)
 
 
@@ -99,7 +101,8 @@ def targets(result: dict) -> list[str]:
         ratio = r.get("decode_step_vs_same_size")
         if r.get("status") != "ok" or r["method"] == "full" or ratio is None:
             continue
-        out.append(f"- {'✅' if ratio <= 1.10 else '❌'} decode step of `{r['method']}` at {r['prompt_tokens']} tokens: "
+        out.append(f"- {'✅' if ratio <= 1.10 else '❌'} decode step of `{r['method']}` at {r['prompt_tokens']} "
+                   "tokens: "
                    f"{ratio:.2f} × the step of a full cache of the same size (target within 10 %)")
     for r in _cells(result, "lazyeviction"):
         share = r["evict_share_decode"]
@@ -160,7 +163,8 @@ def environment_line(result: dict) -> str:
 def result_section(result: dict, name: str) -> str:
     cmd = result["meta"].get("command", "")
     parts = [f"### {name}", "", f"`{cmd}`" if cmd else "", "", environment_line(result), "",
-             bench_table(result), "", "Decode step, against a full cache of the same size, and its eviction work:", "", decode_table(result)]
+             bench_table(result), "", "Decode step, against a full cache of the same size, and its eviction work:", "",
+             decode_table(result)]
     goals = targets(result)
     if goals:
         parts += ["", "Targets:", "", *goals]
