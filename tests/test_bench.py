@@ -339,3 +339,90 @@ def test_flat_peak_target_is_checked_per_configuration_across_lengths():
                                        cell("keydiff:budget=16", 512, 150), cell("keydiff:budget=16", 1024, 300)]}
     verdicts = {t.split("`")[1]: t[2] for t in targets(sweep) if "fixed budget" in t}
     assert verdicts == {"keydiff:budget=8": "✅", "keydiff:budget=16": "❌"}
+
+
+# ---- the physical limit: a full cache of the method's stored size, decoded in the same cell ----------------
+def test_same_size_decode_runs_a_full_cache_of_the_stored_size(monkeypatch):
+    """Each evicting cell decodes twice: the method, then a full cache holding per layer the entries the
+    method held after the prompt. A fake clock (one unit per model forward) shows which forwards each
+    timing covers; a pre-hook shows which cache each decode step ran on."""
+    import kvtrim.bench.runner as runner
+    from kvtrim.methods.full import FullCache
+
+    model = tiny_model("llama", layers=2)
+    clock = FakeClock()
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    seen = []  # (method class, stored per layer) at every single-token forward
+
+    def pre_hook(module, args, kwargs):
+        clock.t += 1.0
+        cache = kwargs.get("cache")
+        if kwargs["input_ids"].shape[-1] == 1:
+            seen.append((type(cache.method), [layer.stored for layer in cache.trim_layers()]))
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=5, collect_garbage=False)
+    ids = torch.randint(0, 200, (1, 64))
+    row, cache = measure_cell(model, parse_spec("streaming:budget=20"), ids, cfg, 64, return_cache=True)
+    assert row["decode_s"] == 5.0 and row["decode_same_size_full_s"] == 5.0  # 5 forwards each, nothing else
+    method_steps, full_steps = seen[:5], seen[5:]
+    assert all(kind is not FullCache for kind, _ in method_steps) and len(full_steps) == 5
+    assert all(kind is FullCache for kind, _ in full_steps)
+    # the reference starts where the method stood after the prompt, and grows by one per step
+    assert full_steps[0][1] == [20, 20] and full_steps[-1][1] == [24, 24]
+    assert row["stored_per_layer_prefill"] == [20, 20]
+    assert cache.stats().stored_per_layer == [20, 20]  # the method's own cache is untouched by it
+
+    seen.clear()
+    row = measure_cell(model, parse_spec("full"), ids, cfg, 64)
+    assert row["decode_same_size_full_s"] is None and len(seen) == 5  # the full cache is its own reference
+    off = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=5, collect_garbage=False, same_size_decode=False)
+    assert measure_cell(model, parse_spec("streaming:budget=20"), ids, off, 64)["decode_same_size_full_s"] is None
+
+
+def test_same_size_full_cache_copies_shapes_and_dtypes_per_layer():
+    from kvtrim.bench.runner import same_size_full_cache, stored_shapes
+
+    model = tiny_model("qwen2", q_heads=6, kv_heads=2, layers=3)
+    cache = TrimCache(LagKV(lag_size=8, sink_size=2, skip_layers=(1,)), config=model.config)
+    with torch.no_grad():
+        prefill(model, torch.randint(0, 200, (1, 50)), cache)
+    shapes = stored_shapes(cache)
+    full = same_size_full_cache(model, shapes)
+    assert [layer.stored for layer in full.trim_layers()] == [layer.stored for layer in cache.trim_layers()]
+    assert full.trim_layers()[1].stored == 50 and full.trim_layers()[0].stored < 50  # skip_layers stay full
+    assert full.prompt_ended and all(layer.keys.dtype == torch.float32 for layer in full.trim_layers())
+    assert all(s[0].device.type == "meta" for s in shapes.values())  # no copy of the KV is held
+
+
+def test_decode_ratio_to_the_same_size_full_cache_and_its_report():
+    from kvtrim.bench.report import decode_table, headline_table, targets
+
+    raw = []
+    for rep, (method_s, same_s) in enumerate([(1.0, 0.8), (1.2, 1.0), (0.9, 0.9)]):
+        raw.append(_row("full", rep, 2.0, 1.5, 1000))
+        m = _row("h2o", rep, 2.0, method_s, 250, evict=0.01)
+        m.update(decode_same_size_full_s=same_s, decode_evict_s=0.1 * method_s, decode_evictions=10)
+        raw.append(m)
+    summary = summarize(raw, compression_ratio=0.75)
+    h2o = {r["method"]: r for r in summary}["h2o"]
+    # per repeat: 1.25, 1.2, 1.0 -> median 1.2 (paired within the cell); the eviction share 0.1 each
+    assert h2o["decode_step_vs_same_size"] == pytest.approx(1.2)
+    assert h2o["evict_share_decode"] == pytest.approx(0.1)
+    assert {r["method"]: r for r in summary}["full"]["decode_step_vs_same_size"] is None
+    h2o["stored_per_layer_prefill"] = [25, 25]
+    result = {"meta": {"config": {"new_tokens": 10}}, "summary": summary}
+    table = decode_table(result)
+    # step 100 ms; the same-size full cache 90 ms a step (median 0.9 s / 10 tokens), ratio 1.20; eviction 10 ms (10 %)
+    assert "| 100 | h2o | 25 | 100.0 | 90.0 (1.20) | 10.00 (10.0 %) | 10 |" in table
+    assert "| `h2o` | 0.50 % | 10.00 % |" in headline_table(result)
+    assert "1.20 × the step of a full cache of the same size" in "\n".join(targets(result))
+    assert any(t.startswith("- ❌ decode step of `h2o`") for t in targets(result))
+
+
+def test_results_written_before_the_same_size_decode_still_validate():
+    raw = [_row("full", 0, 2.0, 1.0, 1000), _row("m", 0, 3.0, 0.5, 250)]
+    result = {"schema": "kvtrim.bench/1", "meta": {}, "raw": raw, "summary": summarize(raw), "trace": []}
+    for s in result["summary"]:
+        del s["decode_same_size_full_s"], s["decode_step_vs_same_size"]
+    assert validate_result(result) == []

@@ -16,6 +16,7 @@ sorted ascending per head. Kept entries are gathered into new, smaller tensors: 
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -80,10 +81,19 @@ def _tensors(obj: Any):
             yield from _tensors(v)
 
 
+@functools.lru_cache(maxsize=64)
+def _row_offsets(b: int, h: int, n: int, device: torch.device) -> torch.Tensor:
+    """`(b, h, 1)`: the first row of each (batch, head) in a `(b * h * n, ...)` flattening (read-only)."""
+    return torch.arange(0, b * h * n, n, device=device).view(b, h, 1)
+
+
 def flat_rows(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """Row numbers, in a `(batch * kv_heads * n, ...)` flattening, of the kept entries `keep` `(batch, kv_heads, k)`."""
+    """Row numbers, in a `(batch * kv_heads * n, ...)` flattening, of the kept entries `keep` `(batch, kv_heads, k)`.
+
+    The per-head offsets are cached by shape: on CPU an eviction costs per operation, and the layer
+    shape repeats at every block."""
     b, h, _ = keep.shape
-    return (keep + n * torch.arange(b * h, device=keep.device).view(b, h, 1)).flatten()
+    return (keep + _row_offsets(b, h, n, keep.device)).flatten()
 
 
 def select_rows(x: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:

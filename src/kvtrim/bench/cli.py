@@ -49,6 +49,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no new repeat (or trace) likely to end after this many seconds")
+    p.add_argument("--no-same-size-decode", action="store_true",
+                   help="skip the reference decode with a full cache of each method's stored size (the physical "
+                        "limit the decode step is compared with)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
     kv = p.add_argument_group("side by side with kvpress (--vs-kvpress)")
@@ -97,6 +100,7 @@ def cmd_bench(args) -> int:
         new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
         warmup=not args.no_warmup, trace_length=args.trace_length, trace_decode=args.trace_decode, seed=args.seed,
         threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
+        same_size_decode=not args.no_same_size_decode,
     )
     config.validate()
     check(args.passkey_trials >= 1, f"--passkey-trials must be >= 1, got {args.passkey_trials}")

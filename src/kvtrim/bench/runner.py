@@ -1,6 +1,11 @@
 """The benchmark loop: per method and context length, prefill time (and its eviction part), decode speed,
 stored bytes and peak memory, interleaved so that machine noise hits every method alike.
 
+Each evicting cell also decodes the same number of tokens with a full cache that holds, layer by layer,
+as many entries as the method's cache held after the prompt (`same_size_full_cache`): the physical
+limit of a cache of that size, measured right after the method in the same cell, so the ratio of the
+two steps shows what the eviction bookkeeping costs above it.
+
 Order: for each repeat, for each length, every method once (the method order rotates by one each
 repeat). One warm-up cell per method runs first and is discarded.
 """
@@ -23,7 +28,8 @@ from kvtrim.bench.memory import PeakMemory
 from kvtrim.specs import MethodSpec, parse_method_spec, parse_method_specs
 from kvtrim.bench.timing import EvictionTimer
 from kvtrim.cache import TrimCache, TrimLayer
-from kvtrim.methods.base import EvictionMethod, KvtrimError, check
+from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, check
+from kvtrim.methods.full import FullCache
 from kvtrim.methods.lagkv import LagKV
 from kvtrim.prefill import lagkv_chunk_sizes, prefill
 
@@ -50,6 +56,7 @@ class BenchConfig:
     max_context: int | None = None  # raise the model's configured context (timing beyond it; see gpu.sh)
     collect_garbage: bool = True  # gc.collect() before each measured block (cheap after gc.freeze())
     time_budget_s: float | None = None  # start no new repeat (and no trace) that would likely end past this
+    same_size_decode: bool = True  # also decode with a full cache of each method's stored size (the physical limit)
 
     def validate(self) -> None:
         check(bool(self.methods), "no method to benchmark")
@@ -173,6 +180,37 @@ def kv_peak_layer_sum(cache: TrimCache) -> int:
     return total
 
 
+def stored_shapes(cache: TrimCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer index -> empty-storage stand-ins (`(b, h, n, d)` meta tensors) of the keys and values each
+    layer of `cache` holds now: enough to rebuild a cache of the same size later."""
+    return {idx: (layer.keys.to("meta"), layer.values.to("meta")) for idx, layer in enumerate(cache.layers)
+            if getattr(layer, "is_initialized", False) and layer.keys is not None}
+
+
+def same_size_full_cache(model, shapes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> TrimCache:
+    """A full cache (`FullCache`, nothing evicted) holding in every layer as many entries as `shapes`
+    (from `stored_shapes`) say, in the model's device and the stored dtype (zeros: a decode step's cost
+    does not depend on the values). Its prompt has ended, so the next forward is a decode step."""
+    device = model_device(model)
+    full = TrimCache(FullCache(), config=model.config)
+    with full.phase(Phase.PREFILL, ends_prompt=True):
+        for idx, (keys, values) in shapes.items():
+            full.update(torch.zeros(keys.shape, dtype=keys.dtype, device=device),
+                        torch.zeros(values.shape, dtype=values.dtype, device=device), idx)
+    return full
+
+
+@torch.no_grad()
+def time_decode(model, cache: TrimCache, logits: torch.Tensor, n_tokens: int) -> float:
+    """Seconds to decode `n_tokens` greedily into `cache` after `logits` (synchronised on CUDA)."""
+    device = model_device(model)
+    _sync(device)
+    t0 = time.perf_counter()
+    decode(model, cache, logits, n_tokens)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 # ---- one measurement ----------------------------------------------------------------------------
 def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig, length: int,
                  repeat: int = 0, order: int = 0, return_cache: bool = False):
@@ -199,6 +237,7 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         _sync(device)
         prefill_s = time.perf_counter() - t0
     stats_prefill = cache.stats()
+    shapes = stored_shapes(cache)  # for the physical limit, decoded after the method (outside its memory readings)
     timer.phase = "decode"
     with PeakMemory(device, collect=config.collect_garbage) as mem_decode:
         _sync(device)
@@ -211,12 +250,16 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
           "eviction timer missed a layer created after the cache was built")
     times = timer.totals()
     timer.detach()
+    same_size_s = None
+    if config.same_size_decode and not isinstance(method, FullCache):
+        same_size_s = time_decode(model, same_size_full_cache(model, shapes), logits, config.new_tokens)
     pre, dec = mem_prefill.reading, mem_decode.reading
     row.update(
         status="ok",
         prefill_s=prefill_s,
         decode_s=decode_s,
         decode_tokens=config.new_tokens,
+        decode_same_size_full_s=same_size_s,
         **times,
         prefill_evictions=timer.evictions.get("prefill", 0),
         decode_evictions=timer.evictions.get("decode", 0),

@@ -60,12 +60,17 @@ def keydiff_scores(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
         keys: `(batch, kv_heads, n, head_dim)`, the candidate set (the anchor is taken over all of it).
     Returns:
         `(batch, kv_heads, n)` float32 scores (higher = more distinctive = keep).
+
+    Written for few operations (on CPU an eviction costs per operation more than per byte): the
+    negation rides on the anchor's normalisation (`a / -|a|` is exactly `-(a / |a|)`) and the products
+    are taken in place, so the scores are the same bits as `-(unit * anchor).sum(-1)`, with the
+    anchor and the cosines summed in the same order.
     """
-    k = keys.float()
-    unit = k / k.norm(dim=-1, keepdim=True).clamp_min(eps)
+    k = keys if keys.dtype == torch.float32 else keys.float()
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min_(eps)
     anchor = unit.mean(dim=-2, keepdim=True)
-    anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(eps)
-    return -(unit * anchor).sum(dim=-1)
+    anchor = anchor.div_(anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_())  # -anchor / |anchor|
+    return unit.mul_(anchor).sum(dim=-1)
 
 
 def keydiff_keep(
