@@ -1,0 +1,295 @@
+"""Generated reasoning tasks: long, checkable answers that keep referring back (decode-time eviction's setting).
+
+Each task is a structured problem (a dataclass), built by a seeded generator, rendered to text, and solved
+by a reference solver that reads the structured data only (never the prompt text). The model is asked to
+write one numbered line per step, `Step N: ... = VALUE`, and to end with `\\boxed{ANSWER}`; the `trace`
+metric (`kvtrim.eval.scoring`) scores the boxed answer exactly and the step values as a partial score.
+
+* `arith_trace`: a start value and N operations (`add 7`, `subtract 4`) listed in the prompt; the model
+  writes the running value after each one. Step k needs operation k of the prompt, which nothing has
+  attended to before (a method that ranks entries by attention history has no evidence to keep it), and
+  the value it wrote one line earlier.
+* `arith_recall`: the same, plus a *memo* number the model computes in its first line (`Memo: 12 + 9 =
+  21`); some operations say `add the memo` / `subtract the memo`, and the last one always does. A value
+  the model stated at the start comes back again and again, up to the very last step (LazyEviction's
+  recurring-token pattern).
+* `program_trace`: a straight-line program over a few variables (`c = a + 5`, `b = c - d`); the model
+  executes it line by line, writing `Step N: c = a + 5 = 12 + 5 = 17`. Reading a variable means finding
+  the line, possibly far back in the model's own output, where it was last assigned. The answer is the
+  value of a named variable at the end.
+
+Values stay in a small range (0 .. `MAX_VALUE`) and operands are small, so the arithmetic itself is easy
+for a 0.5B model and the difficulty is the length: the number of steps, chosen so that the prompt plus the
+expected answer fits the target length in the model's own tokens (`kvtrim.eval.tasks`).
+
+Query-agnostic split: `context` = the problem data (start value and operations, or the program); `question`
+= the instruction and answer format. `answers[0]` is the final answer, `answers[1:]` the value after each
+step (the `trace` metric's convention).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvtrim.eval.sample import Sample
+from kvtrim.methods.base import check
+
+MAX_VALUE = 99  # running values stay in 0 .. MAX_VALUE (two digits at most)
+MAX_OPERAND = 9  # operands of `add` / `subtract` are 1 .. MAX_OPERAND
+MEMO_EVERY = 4  # arith_recall: about one operation in MEMO_EVERY uses the memo
+PROGRAM_VARIABLES = ("a", "b", "c", "d", "e")
+
+
+# ---- arith_trace / arith_recall ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArithOp:
+    sign: int  # +1 add, -1 subtract
+    operand: int | None  # None = the memo
+
+
+@dataclass(frozen=True)
+class ArithProblem:
+    start: int
+    ops: tuple[ArithOp, ...]
+    memo: tuple[int, int] | None = None  # the two numbers whose sum is the memo (arith_recall)
+
+
+def make_arith(rng: random.Random, steps: int, recall: bool = False) -> ArithProblem:
+    """`steps` operations keeping the running value in 0 .. MAX_VALUE; with `recall`, a memo (10 .. 30)
+    used by about 1 in MEMO_EVERY operations and by the last one."""
+    check(steps >= 1, f"a trace needs at least one step, got {steps}")
+    memo_parts = (rng.randint(5, 15), rng.randint(5, 15)) if recall else None
+    memo = sum(memo_parts) if memo_parts else 0
+    value = rng.randint(20, MAX_VALUE - 20)
+    start, ops = value, []
+    for k in range(steps):
+        use_memo = recall and (k == steps - 1 or rng.random() < 1 / MEMO_EVERY)
+        operand = memo if use_memo else rng.randint(1, MAX_OPERAND)
+        can_add, can_sub = value + operand <= MAX_VALUE, value - operand >= 0
+        sign = rng.choice((1, -1)) if can_add and can_sub else (1 if can_add else -1)
+        value += sign * operand
+        ops.append(ArithOp(sign, None if use_memo else operand))
+    return ArithProblem(start, tuple(ops), memo_parts)
+
+
+def solve_arith(problem: ArithProblem) -> list[int]:
+    """The running value after each operation (the reference solver: structured data only)."""
+    memo = sum(problem.memo) if problem.memo else None
+    values, value = [], problem.start
+    for op in problem.ops:
+        value += op.sign * (memo if op.operand is None else op.operand)
+        values.append(value)
+    return values
+
+
+def _op_text(op: ArithOp) -> str:
+    word = "add" if op.sign > 0 else "subtract"
+    return f"{word} {'the memo' if op.operand is None else op.operand}"
+
+
+ARITH_QUESTION = (
+    "Apply the operations above in order, starting from the start value. Write one line per operation, "
+    "in this form:\nStep N: <value before> <+ or -> <number> = <value after>\n"
+    "After the last step, write the final value as \\boxed{{value}}."
+)
+RECALL_QUESTION = (
+    "First compute the memo and write it as:\nMemo: <first> + <second> = <memo>\n"
+    "Then apply the operations above in order, starting from the start value. \"the memo\" means the memo "
+    "number you computed. Write one line per operation, in this form:\n"
+    "Step N: <value before> <+ or -> <number> = <value after>\n"
+    "After the last step, write the final value as \\boxed{{value}}."
+)
+
+
+def render_arith(problem: ArithProblem) -> tuple[str, str]:
+    """`(context, question)`."""
+    lines = []
+    if problem.memo:
+        lines.append(f"Memo: {problem.memo[0]} + {problem.memo[1]}")
+    lines += [f"Start value: {problem.start}", "Operations:"]
+    lines += [f"{k}. {_op_text(op)}" for k, op in enumerate(problem.ops, start=1)]
+    question = RECALL_QUESTION if problem.memo else ARITH_QUESTION
+    return "\n".join(lines) + "\n\n", question.format()
+
+
+def arith_reference_answer(problem: ArithProblem) -> str:
+    """The ideal answer text (what a perfect model writes; used to size samples and in tests)."""
+    memo = sum(problem.memo) if problem.memo else None
+    lines = [f"Memo: {problem.memo[0]} + {problem.memo[1]} = {memo}"] if problem.memo else []
+    before = problem.start
+    for k, (op, after) in enumerate(zip(problem.ops, solve_arith(problem)), start=1):
+        operand = memo if op.operand is None else op.operand
+        lines.append(f"Step {k}: {before} {'+' if op.sign > 0 else '-'} {operand} = {after}")
+        before = after
+    lines.append(f"\\boxed{{{before}}}")
+    return "\n".join(lines)
+
+
+# ---- program_trace ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Assign:
+    """`target = left` (sign 0, right None) or `target = left +/- right`; operands are names or numbers."""
+
+    target: str
+    left: str | int
+    sign: int = 0
+    right: str | int | None = None
+
+
+@dataclass(frozen=True)
+class Program:
+    lines: tuple[Assign, ...]
+    result: str  # the variable whose final value is the answer
+
+
+def _value(env: dict[str, int], x: str | int) -> int:
+    return env[x] if isinstance(x, str) else x
+
+
+def make_program(rng: random.Random, steps: int, n_vars: int = 4) -> Program:
+    """A program of `steps` lines: first each variable gets a constant, then assignments that read one or two
+    variables (`c = a + 5`, `b = c - d`), each value in 0 .. MAX_VALUE. The answer is the last line's target."""
+    check(2 <= n_vars <= len(PROGRAM_VARIABLES), f"n_vars must be in 2..{len(PROGRAM_VARIABLES)}, got {n_vars}")
+    check(steps >= n_vars + 1, f"a program over {n_vars} variables needs at least {n_vars + 1} lines, got {steps}")
+    names = PROGRAM_VARIABLES[:n_vars]
+    env: dict[str, int] = {}
+    lines = []
+    for name in names:
+        env[name] = rng.randint(10, MAX_VALUE - 10)
+        lines.append(Assign(name, env[name]))
+    last_target = None
+    for _ in range(steps - n_vars):
+        target = rng.choice([n for n in names if n != last_target])  # no two lines in a row to one variable
+        left = rng.choice(names)
+        if rng.random() < 0.5:  # variable +/- constant
+            right: str | int = rng.randint(1, MAX_OPERAND)
+        else:  # variable +/- another variable
+            right = rng.choice([n for n in names if n != left])
+        options = [s for s in (1, -1) if 0 <= env[left] + s * _value(env, right) <= MAX_VALUE]
+        if not options:  # two variables whose sum and difference both leave the range: use a constant
+            right = rng.randint(1, MAX_OPERAND)
+            options = [s for s in (1, -1) if 0 <= env[left] + s * right <= MAX_VALUE]
+        sign = rng.choice(options)
+        lines.append(Assign(target, left, sign, right))
+        env[target] = env[left] + sign * _value(env, right)
+        last_target = target
+    return Program(tuple(lines), lines[-1].target)
+
+
+def solve_program(program: Program) -> list[int]:
+    """The value assigned at each line (the reference solver: structured data only)."""
+    env: dict[str, int] = {}
+
+    def value(x: str | int) -> int:
+        return env[x] if isinstance(x, str) else x
+
+    values = []
+    for line in program.lines:
+        v = value(line.left) if line.right is None else value(line.left) + line.sign * value(line.right)
+        env[line.target] = v
+        values.append(v)
+    return values
+
+
+def program_answer(program: Program) -> int:
+    """The final value of `program.result`."""
+    last = max(i for i, line in enumerate(program.lines) if line.target == program.result)
+    return solve_program(program)[last]
+
+
+def _expr(line: Assign) -> str:
+    if line.right is None:
+        return str(line.left)
+    return f"{line.left} {'+' if line.sign > 0 else '-'} {line.right}"
+
+
+PROGRAM_QUESTION = (
+    "Run the program above line by line. For each line, write the line, the expression with the current "
+    "values of its variables filled in, and the result, in this form:\n"
+    "Step N: <variable> = <expression> = <expression with values> = <result>\n"
+    "(for a line that assigns a number: Step N: <variable> = <number>)\n"
+    "At the end, write the final value of {result} as \\boxed{{value}}."
+)
+
+
+def render_program(program: Program) -> tuple[str, str]:
+    """`(context, question)`."""
+    body = "\n".join(f"{line.target} = {_expr(line)}" for line in program.lines)
+    return f"Program:\n{body}\n\n", PROGRAM_QUESTION.format(result=program.result)
+
+
+def program_reference_answer(program: Program) -> str:
+    env: dict[str, int] = {}
+    out = []
+    for k, (line, v) in enumerate(zip(program.lines, solve_program(program)), start=1):
+        if line.right is None and isinstance(line.left, int):
+            out.append(f"Step {k}: {line.target} = {v}")
+        else:
+            filled = Assign(line.target, env[line.left] if isinstance(line.left, str) else line.left, line.sign,
+                            env[line.right] if isinstance(line.right, str) else line.right)
+            out.append(f"Step {k}: {line.target} = {_expr(line)} = {_expr(filled)} = {v}")
+        env[line.target] = v
+    out.append(f"\\boxed{{{env[program.result]}}}")
+    return "\n".join(out)
+
+
+# ---- the tasks as evaluation samples ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReasoningTask:
+    name: str
+    min_steps: int
+    tokens_per_step: int  # rough guess for the first sizing probe (the sizing itself counts real tokens)
+
+
+REASONING_TASKS = {
+    t.name: t
+    for t in (
+        ReasoningTask("arith_trace", 1, 14),
+        ReasoningTask("arith_recall", 1, 15),
+        ReasoningTask("program_trace", len(PROGRAM_VARIABLES[:4]) + 1, 24),
+    )
+}
+
+
+def reasoning_problem(task: str, rng: random.Random, steps: int):
+    """The structured problem of `task` with `steps` steps."""
+    if task == "arith_trace":
+        return make_arith(rng, steps)
+    if task == "arith_recall":
+        return make_arith(rng, steps, recall=True)
+    if task == "program_trace":
+        return make_program(rng, steps)
+    raise KeyError(task)
+
+
+def solution(problem) -> tuple[int, list[int], str]:
+    """`(final answer, step values, reference answer text)` of a problem."""
+    if isinstance(problem, Program):
+        return program_answer(problem), solve_program(problem), program_reference_answer(problem)
+    values = solve_arith(problem)
+    return values[-1], values, arith_reference_answer(problem)
+
+
+def render(problem) -> tuple[str, str]:
+    return render_program(problem) if isinstance(problem, Program) else render_arith(problem)
+
+
+def reasoning_sample(task: str, sample_id: str, steps: int, max_new_tokens: int = 1, length: int = 0) -> Sample:
+    """One sample of `task` with `steps` steps, seeded by `sample_id` (deterministic in its arguments).
+
+    `meta` holds `steps` and the reference answer text (`reference`), for sizing and inspection."""
+    problem = reasoning_problem(task, random.Random(sample_id), steps)
+    context, question = render(problem)
+    final, values, reference = solution(problem)
+    return Sample(
+        id=sample_id, task=task, context=context, question=question,
+        answers=[str(final)] + [str(v) for v in values], max_new_tokens=max_new_tokens, metric="trace",
+        length=length, meta={"steps": steps, "reference": reference},
+    )
