@@ -45,11 +45,12 @@ DATA = pathlib.Path(__file__).parent / "data" / "reasoning_tasks.jsonl"
 
 def arith_from_text(context: str) -> list[int]:
     """Re-derive the running values by reading the prompt text (the solver reads the dataclass)."""
+    context = context.split("Problem:\n", 1)[-1]  # after the worked example, if any
     memo_match = re.search(r"^Memo: (\d+) \+ (\d+)$", context, re.MULTILINE)
     memo = int(memo_match.group(1)) + int(memo_match.group(2)) if memo_match else None
     value = int(re.search(r"^Start value: (\d+)$", context, re.MULTILINE).group(1))
     values = []
-    for number, word, operand in re.findall(r"^(\d+)\. (add|subtract) (the memo|\d+)$", context, re.MULTILINE):
+    for number, word, operand in re.findall(r"^Step (\d+): (add|subtract) (the memo|\d+)$", context, re.MULTILINE):
         assert int(number) == len(values) + 1
         amount = memo if operand == "the memo" else int(operand)
         value = value + amount if word == "add" else value - amount
@@ -61,10 +62,28 @@ def program_by_exec(context: str) -> tuple[list[int], dict[str, int]]:
     """Run the rendered program with Python itself, recording the value each line assigns."""
     env: dict[str, int] = {}
     values = []
-    for line in context.split("Program:\n", 1)[1].strip().splitlines():
-        exec(line, {}, env)  # noqa: S102 - our own generated straight-line arithmetic
-        values.append(env[line.split(" = ")[0]])
+    program = context.split("Problem:\n", 1)[1].split("\nWhat is", 1)[0]
+    for line in program.strip().splitlines():
+        statement = line.split(": ", 1)[1]
+        exec(statement, {}, env)  # noqa: S102 - our own generated straight-line arithmetic
+        values.append(env[statement.split(" = ")[0]])
     return values, env
+
+
+def chain_from_text(context: str) -> list[int]:
+    """Follow the arrows of the prompt text by brute force: scan every line for the current code each hop."""
+    problem = context.split("Problem:\n", 1)[1]
+    lines = re.findall(r"^(\d+) -> (\d+)$", problem, re.MULTILINE)
+    code = int(re.search(r"^Start code: (\d+)$", problem, re.MULTILINE).group(1))
+    out = []
+    while True:
+        hits = [int(b) for a, b in lines if int(a) == code]
+        assert len(hits) <= 1  # an unambiguous lookup
+        if not hits:
+            return out
+        code = hits[0]
+        out.append(code)
+        assert len(out) <= len(lines)  # no cycle
 
 
 @pytest.mark.parametrize("task", list(REASONING_TASKS))
@@ -74,10 +93,14 @@ def test_reference_solution_matches_a_computation_from_the_prompt_text(task, see
     sample = reasoning_sample(task, f"t/{seed}", steps)
     final, values = int(sample.answers[0]), [int(v) for v in sample.answers[1:]]
     assert len(values) == steps
-    if task == "program_trace":
+    if task in ("program_trace", "var_trace"):
         exec_values, env = program_by_exec(sample.context)
         result = re.search(r"final value of (\w+)", sample.question).group(1)
         assert values == exec_values and final == env[result]
+    elif task == "chain_trace":
+        assert values == chain_from_text(sample.context) and final == values[-1]
+        assert len(re.findall(r"^\d+ -> \d+$", sample.context.split("Problem:")[1], re.MULTILINE)) == 2 * steps
+        return  # codes are 3-digit numbers, not running values
     else:
         assert values == arith_from_text(sample.context) and final == values[-1]
     assert all(0 <= v <= MAX_VALUE for v in values)
@@ -250,4 +273,5 @@ def test_solution_is_consistent_across_helpers():
     final, values, reference = solution(p)
     assert values == solve_arith(p) and final == values[-1] and reference.endswith(f"\\boxed{{{final}}}")
     context, question = render(p)
-    assert context.startswith("Memo: ") and "Memo: <first> + <second> = <memo>" in question
+    assert f"Problem:\nMemo: {p.memo[0]} + {p.memo[1]}\nStart value: {p.start}\n" in context
+    assert "in the same way" in question

@@ -90,29 +90,33 @@ def _op_text(op: ArithOp) -> str:
     return f"{word} {'the memo' if op.operand is None else op.operand}"
 
 
-ARITH_QUESTION = (
-    "Apply the operations above in order, starting from the start value. Write one line per operation, "
-    "in this form:\nStep N: <value before> <+ or -> <number> = <value after>\n"
-    "After the last step, write the final value as \\boxed{{value}}."
+ARITH_EXAMPLE = (
+    "Apply a list of operations in order, starting from the start value. Write one line per operation: the "
+    "operation, then the value before, the operation and the value after. After the last step, write the "
+    "final value in a box.\n\n"
+    "Example problem:\nStart value: 10\nStep 1: add 5\nStep 2: subtract 3\n"
+    "Example answer:\nStep 1: add 5: 10 + 5 = 15\nStep 2: subtract 3: 15 - 3 = 12\n\\boxed{12}\n"
 )
-RECALL_QUESTION = (
-    "First compute the memo and write it as:\nMemo: <first> + <second> = <memo>\n"
-    "Then apply the operations above in order, starting from the start value. \"the memo\" means the memo "
-    "number you computed. Write one line per operation, in this form:\n"
-    "Step N: <value before> <+ or -> <number> = <value after>\n"
-    "After the last step, write the final value as \\boxed{{value}}."
+RECALL_EXAMPLE = (
+    "First compute the memo. Then apply a list of operations in order, starting from the start value; "
+    "\"the memo\" means the memo number you computed. Write one line per operation: the operation, then the "
+    "value before, the operation and the value after. After the last step, write the final value in a box."
+    "\n\nExample problem:\nMemo: 4 + 6\nStart value: 10\nStep 1: add 5\nStep 2: subtract the memo\n"
+    "Example answer:\nMemo: 4 + 6 = 10\nStep 1: add 5: 10 + 5 = 15\nStep 2: subtract the memo: 15 - 10 = 5\n"
+    "\\boxed{5}\n"
 )
+ARITH_QUESTION = "Now answer the problem above in the same way: every step, then the final value in a box."
 
 
 def render_arith(problem: ArithProblem) -> tuple[str, str]:
-    """`(context, question)`."""
-    lines = []
+    """`(context, question)`: the context holds the format (a worked example) and the problem. Operations
+    are numbered `Step N:` as the answer's lines are, so that finding operation N is a copy."""
+    lines = [RECALL_EXAMPLE if problem.memo else ARITH_EXAMPLE, "Problem:"]
     if problem.memo:
         lines.append(f"Memo: {problem.memo[0]} + {problem.memo[1]}")
-    lines += [f"Start value: {problem.start}", "Operations:"]
-    lines += [f"{k}. {_op_text(op)}" for k, op in enumerate(problem.ops, start=1)]
-    question = RECALL_QUESTION if problem.memo else ARITH_QUESTION
-    return "\n".join(lines) + "\n\n", question.format()
+    lines.append(f"Start value: {problem.start}")
+    lines += [f"Step {k}: {_op_text(op)}" for k, op in enumerate(problem.ops, start=1)]
+    return "\n".join(lines) + "\n\n", ARITH_QUESTION
 
 
 def arith_reference_answer(problem: ArithProblem) -> str:
@@ -122,7 +126,7 @@ def arith_reference_answer(problem: ArithProblem) -> str:
     before = problem.start
     for k, (op, after) in enumerate(zip(problem.ops, solve_arith(problem)), start=1):
         operand = memo if op.operand is None else op.operand
-        lines.append(f"Step {k}: {before} {'+' if op.sign > 0 else '-'} {operand} = {after}")
+        lines.append(f"Step {k}: {_op_text(op)}: {before} {'+' if op.sign > 0 else '-'} {operand} = {after}")
         before = after
     lines.append(f"\\boxed{{{before}}}")
     return "\n".join(lines)
@@ -145,6 +149,7 @@ class Assign:
 class Program:
     lines: tuple[Assign, ...]
     result: str  # the variable whose final value is the answer
+    copies_only: bool = False  # var_trace: `x = 57` and `x = y` lines only, no arithmetic
 
 
 def _value(env: dict[str, int], x: str | int) -> int:
@@ -181,6 +186,26 @@ def make_program(rng: random.Random, steps: int, n_vars: int = 4) -> Program:
     return Program(tuple(lines), lines[-1].target)
 
 
+def make_copy_program(rng: random.Random, steps: int, n_vars: int = 4, new_every: int = 4) -> Program:
+    """var_trace: each variable first gets a constant; then each line copies another variable (`b = d`) or,
+    about one line in `new_every`, gets a fresh constant. Every constant is a different 2-digit number, so a
+    value tells where it came from; no variable is assigned twice in a row. The answer is the last line's
+    target."""
+    check(2 <= n_vars <= len(PROGRAM_VARIABLES), f"n_vars must be in 2..{len(PROGRAM_VARIABLES)}, got {n_vars}")
+    check(steps >= n_vars + 1, f"a program over {n_vars} variables needs at least {n_vars + 1} lines, got {steps}")
+    names = PROGRAM_VARIABLES[:n_vars]
+    fresh = iter(rng.sample(range(10, 100), 90))
+    lines = [Assign(name, next(fresh)) for name in names]
+    last_target = None
+    for _ in range(steps - n_vars):
+        target = rng.choice([n for n in names if n != last_target])
+        constant = next(fresh, None) if rng.random() < 1 / new_every else None
+        source = constant if constant is not None else rng.choice([n for n in names if n != target])
+        lines.append(Assign(target, source))
+        last_target = target
+    return Program(tuple(lines), lines[-1].target, copies_only=True)
+
+
 def solve_program(program: Program) -> list[int]:
     """The value assigned at each line (the reference solver: structured data only)."""
     env: dict[str, int] = {}
@@ -208,19 +233,31 @@ def _expr(line: Assign) -> str:
     return f"{line.left} {'+' if line.sign > 0 else '-'} {line.right}"
 
 
-PROGRAM_QUESTION = (
-    "Run the program above line by line. For each line, write the line, the expression with the current "
-    "values of its variables filled in, and the result, in this form:\n"
-    "Step N: <variable> = <expression> = <expression with values> = <result>\n"
-    "(for a line that assigns a number: Step N: <variable> = <number>)\n"
-    "At the end, write the final value of {result} as \\boxed{{value}}."
+PROGRAM_EXAMPLE = (
+    "Run a program line by line. For each line, write the line, the expression with the current values of "
+    "its variables filled in, and the result. At the end, write the asked value in a box.\n\n"
+    "Example problem:\nStep 1: a = 3\nStep 2: b = a + 4\nStep 3: a = b - a\nWhat is the final value of a?\n"
+    "Example answer:\nStep 1: a = 3\nStep 2: b = a + 4 = 3 + 4 = 7\nStep 3: a = b - a = 7 - 3 = 4\n"
+    "\\boxed{4}\n\n"
 )
+COPY_EXAMPLE = (
+    "Run a program line by line. For each line, write the line, and for a line that copies a variable, the "
+    "current value of that variable. At the end, write the asked value in a box.\n\n"
+    "Example problem:\nStep 1: a = 31\nStep 2: b = a\nStep 3: a = 57\nStep 4: c = b\n"
+    "What is the final value of c?\n"
+    "Example answer:\nStep 1: a = 31\nStep 2: b = a = 31\nStep 3: a = 57\nStep 4: c = b = 31\n\\boxed{31}\n\n"
+)
+PROGRAM_QUESTION = ("Now answer the problem above in the same way: every line, then the final value of {result} "
+                    "in a box.")
 
 
 def render_program(program: Program) -> tuple[str, str]:
-    """`(context, question)`."""
-    body = "\n".join(f"{line.target} = {_expr(line)}" for line in program.lines)
-    return f"Program:\n{body}\n\n", PROGRAM_QUESTION.format(result=program.result)
+    """`(context, question)`: the context holds the format (a worked example) and the program, its lines
+    numbered `Step N:` as the answer's lines are (finding line N is a copy; finding a variable's value is not)."""
+    body = "\n".join(f"Step {k}: {line.target} = {_expr(line)}" for k, line in enumerate(program.lines, start=1))
+    example = COPY_EXAMPLE if program.copies_only else PROGRAM_EXAMPLE
+    return (f"{example}Problem:\n{body}\nWhat is the final value of {program.result}?\n\n",
+            PROGRAM_QUESTION.format(result=program.result))
 
 
 def program_reference_answer(program: Program) -> str:
@@ -229,6 +266,8 @@ def program_reference_answer(program: Program) -> str:
     for k, (line, v) in enumerate(zip(program.lines, solve_program(program)), start=1):
         if line.right is None and isinstance(line.left, int):
             out.append(f"Step {k}: {line.target} = {v}")
+        elif line.right is None:
+            out.append(f"Step {k}: {line.target} = {line.left} = {v}")
         else:
             filled = Assign(line.target, env[line.left] if isinstance(line.left, str) else line.left, line.sign,
                             env[line.right] if isinstance(line.right, str) else line.right)
@@ -236,6 +275,65 @@ def program_reference_answer(program: Program) -> str:
         env[line.target] = v
     out.append(f"\\boxed{{{env[program.result]}}}")
     return "\n".join(out)
+
+
+# ---- chain_trace -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chain:
+    links: tuple[tuple[int, int], ...]  # (code, next code), in the order the prompt lists them
+    start: int
+
+
+def make_chain(rng: random.Random, steps: int, distractors: float = 1.0) -> Chain:
+    """A chain of `steps` links from `start` to a code that links nowhere, listed shuffled among about
+    `distractors x steps` links of other chains; every code is a distinct 3-digit number and links from it
+    at most once, so each lookup is unambiguous."""
+    check(steps >= 1, f"a chain needs at least one link, got {steps}")
+    n_other = max(1, round(distractors * steps))
+    codes = rng.sample(range(100, 1000), steps + 1 + n_other + (n_other + 3) // 4)
+    chain, rest = codes[: steps + 1], codes[steps + 1:]
+    links = list(zip(chain, chain[1:]))
+    # distractors: short chains (up to 4 links each) over the other codes
+    i = 0
+    while i < len(rest) - 1 and len(links) < steps + n_other:
+        run = rest[i: i + 5]
+        links += list(zip(run, run[1:]))[: steps + n_other - len(links)]
+        i += 5
+    rng.shuffle(links)
+    return Chain(tuple(links), chain[0])
+
+
+def solve_chain(chain: Chain) -> list[int]:
+    """The code reached after each link, until a code that links nowhere (the reference solver)."""
+    following = dict(chain.links)
+    out, code = [], chain.start
+    while code in following:
+        code = following[code]
+        out.append(code)
+    return out
+
+
+CHAIN_EXAMPLE = (
+    "Each line of a list links a code to the next code. Follow the links from the start code until you reach "
+    "a code that links nowhere. Write one line per link: the code and the code it links to. At the end, write "
+    "the last code in a box.\n\n"
+    "Example problem:\n305 -> 718\n640 -> 951\n112 -> 305\n718 -> 264\nStart code: 112\n"
+    "Example answer:\nStep 1: 112 -> 305\nStep 2: 305 -> 718\nStep 3: 718 -> 264\n\\boxed{264}\n\n"
+)
+CHAIN_QUESTION = "Now answer the problem above in the same way: every link, then the last code in a box."
+
+
+def render_chain(chain: Chain) -> tuple[str, str]:
+    body = "\n".join(f"{a} -> {b}" for a, b in chain.links)
+    return f"{CHAIN_EXAMPLE}Problem:\n{body}\nStart code: {chain.start}\n\n", CHAIN_QUESTION
+
+
+def chain_reference_answer(chain: Chain) -> str:
+    codes = [chain.start] + solve_chain(chain)
+    lines = [f"Step {k}: {a} -> {b}" for k, (a, b) in enumerate(zip(codes, codes[1:]), start=1)]
+    return "\n".join(lines + [f"\\boxed{{{codes[-1]}}}"])
 
 
 # ---- the tasks as evaluation samples ------------------------------------------------------------------------
@@ -254,6 +352,8 @@ REASONING_TASKS = {
         ReasoningTask("arith_trace", 1, 14),
         ReasoningTask("arith_recall", 1, 15),
         ReasoningTask("program_trace", len(PROGRAM_VARIABLES[:4]) + 1, 24),
+        ReasoningTask("var_trace", len(PROGRAM_VARIABLES[:4]) + 1, 14),
+        ReasoningTask("chain_trace", 1, 24),
     )
 }
 
@@ -266,6 +366,10 @@ def reasoning_problem(task: str, rng: random.Random, steps: int):
         return make_arith(rng, steps, recall=True)
     if task == "program_trace":
         return make_program(rng, steps)
+    if task == "var_trace":
+        return make_copy_program(rng, steps)
+    if task == "chain_trace":
+        return make_chain(rng, steps)
     raise KeyError(task)
 
 
@@ -273,11 +377,16 @@ def solution(problem) -> tuple[int, list[int], str]:
     """`(final answer, step values, reference answer text)` of a problem."""
     if isinstance(problem, Program):
         return program_answer(problem), solve_program(problem), program_reference_answer(problem)
+    if isinstance(problem, Chain):
+        codes = solve_chain(problem)
+        return codes[-1], codes, chain_reference_answer(problem)
     values = solve_arith(problem)
     return values[-1], values, arith_reference_answer(problem)
 
 
 def render(problem) -> tuple[str, str]:
+    if isinstance(problem, Chain):
+        return render_chain(problem)
     return render_program(problem) if isinstance(problem, Program) else render_arith(problem)
 
 
