@@ -16,6 +16,7 @@ from kvtrim.eval.reasoning import (
     MAX_VALUE,
     REASONING_TASKS,
     make_arith,
+    make_copy_program,
     make_program,
     reasoning_problem,
     reasoning_sample,
@@ -123,6 +124,14 @@ def test_program_reads_variables_and_never_assigns_one_twice_in_a_row():
     assert sum(isinstance(line.right, str) for line in p.lines) >= 5  # variable + variable lines exist
     with pytest.raises(KvtrimError, match="at least 5 lines"):
         make_program(random.Random(0), 4)
+
+
+def test_var_trace_copies_variables_and_its_constants_are_all_different():
+    p = make_copy_program(random.Random(5), 60)
+    constants = [line.left for line in p.lines if isinstance(line.left, int)]
+    copies = [line for line in p.lines if isinstance(line.left, str)]
+    assert len(set(constants)) == len(constants) >= 4 and len(copies) >= 30
+    assert all(line.right is None and line.left != line.target for line in copies)
 
 
 @pytest.mark.parametrize("task", list(REASONING_TASKS))

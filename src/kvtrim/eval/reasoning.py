@@ -5,26 +5,32 @@ by a reference solver that reads the structured data only (never the prompt text
 write one numbered line per step, `Step N: ... = VALUE`, and to end with `\\boxed{ANSWER}`; the `trace`
 metric (`kvtrim.eval.scoring`) scores the boxed answer exactly and the step values as a partial score.
 
-* `arith_trace`: a start value and N operations (`add 7`, `subtract 4`) listed in the prompt; the model
-  writes the running value after each one. Step k needs operation k of the prompt, which nothing has
-  attended to before (a method that ranks entries by attention history has no evidence to keep it), and
-  the value it wrote one line earlier.
-* `arith_recall`: the same, plus a *memo* number the model computes in its first line (`Memo: 12 + 9 =
-  21`); some operations say `add the memo` / `subtract the memo`, and the last one always does. A value
-  the model stated at the start comes back again and again, up to the very last step (LazyEviction's
+* `arith_trace`: a start value and N operations (`Step 7: add 4`, `Step 8: subtract 6`); the model writes
+  `Step 7: add 4: 31 + 4 = 35`, the running value after each one. Step k copies operation k from the
+  prompt (which nothing attended to before: a method that ranks entries by attention history has no
+  evidence to keep it) and uses the value it wrote one line earlier.
+* `arith_recall`: the same, plus a *memo* the model computes in its first line (`Memo: 12 + 9 = 21`);
+  about one operation in four says `add the memo` / `subtract the memo`, and the last one always does: a
+  value the model stated at the start comes back again and again, up to the very last step (LazyEviction's
   recurring-token pattern).
-* `program_trace`: a straight-line program over a few variables (`c = a + 5`, `b = c - d`); the model
-  executes it line by line, writing `Step N: c = a + 5 = 12 + 5 = 17`. Reading a variable means finding
-  the line, possibly far back in the model's own output, where it was last assigned. The answer is the
-  value of a named variable at the end.
+* `program_trace`: a straight-line program over four variables (`Step 9: c = a + 5`, `Step 10: b = c - d`);
+  the model writes `Step 9: c = a + 5 = 12 + 5 = 17`. Reading a variable means finding the line, possibly
+  far back in the model's own output, where it was last assigned. The answer: the last line's variable.
+* `var_trace`: the same without arithmetic: lines copy a variable (`b = d`) or assign a fresh 2-digit
+  constant; the model writes `Step 9: b = d = 57`. Pure look-back into its own output.
+* `chain_trace`: pointer chasing: shuffled links `417 -> 982` (half of them from other chains); from a start
+  code the model writes `Step 3: 417 -> 982` until a code links nowhere. Every step is a lookup in the
+  prompt, keyed by the code the model wrote one line earlier.
 
-Values stay in a small range (0 .. `MAX_VALUE`) and operands are small, so the arithmetic itself is easy
-for a 0.5B model and the difficulty is the length: the number of steps, chosen so that the prompt plus the
-expected answer fits the target length in the model's own tokens (`kvtrim.eval.tasks`).
+Values stay in 0 .. `MAX_VALUE` and operands are single digits, so each step is easy; the difficulty is
+the length: the number of steps is chosen so that the prompt plus the expected answer fits the target
+length in the model's own tokens (`kvtrim.eval.tasks`). Each prompt carries a two- or three-step worked
+example: without it qwen2.5-coder-0.5b copied the `<value before>` placeholders of a written-out format.
+How well the offline models do: benchmarks/reasoning/README.md.
 
-Query-agnostic split: `context` = the problem data (start value and operations, or the program); `question`
-= the instruction and answer format. `answers[0]` is the final answer, `answers[1:]` the value after each
-step (the `trace` metric's convention).
+Query-agnostic split: `context` = the format (instruction and worked example) and the problem data;
+`question` = a one-line request to answer it. `answers[0]` is the final answer, `answers[1:]` the value
+after each step (the `trace` metric's convention).
 """
 
 from __future__ import annotations
