@@ -348,7 +348,7 @@ def chain_reference_answer(chain: Chain) -> str:
 @dataclass(frozen=True)
 class ReasoningTask:
     name: str
-    min_steps: int
+    min_steps: int  # programs: one constant line per variable (4 by default) plus one more
     tokens_per_step: int  # rough guess for the first sizing probe (the sizing itself counts real tokens)
 
 
@@ -357,8 +357,8 @@ REASONING_TASKS = {
     for t in (
         ReasoningTask("arith_trace", 1, 14),
         ReasoningTask("arith_recall", 1, 15),
-        ReasoningTask("program_trace", len(PROGRAM_VARIABLES[:4]) + 1, 24),
-        ReasoningTask("var_trace", len(PROGRAM_VARIABLES[:4]) + 1, 14),
+        ReasoningTask("program_trace", 5, 24),
+        ReasoningTask("var_trace", 5, 14),
         ReasoningTask("chain_trace", 1, 24),
     )
 }

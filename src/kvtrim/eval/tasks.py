@@ -31,8 +31,8 @@ from kvtrim.methods.base import KvtrimError, check
 
 DEPTH_TASKS = ["passkey", "passkey_64", "niah"]
 TASKS = RULER_TASKS + DEPTH_TASKS + list(REASONING_TASKS)
-# the reference answer times this must fit: room for a model that writes a little more than the ideal
-# answer (measured: benchmarks/reasoning/README.md)
+# the reference answer times this must fit: room for a model that writes more than the ideal answer
+# (qwen2.5-coder-0.5b wrote 0.85-1.29x the reference, and ran into the cap once at 1.29x: benchmarks/reasoning)
 ANSWER_SLACK = 1.25
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NIAH_MAX_NEW_TOKENS = 32  # the answer is a 7-digit number in one short sentence
