@@ -51,6 +51,16 @@ def test_write_tasks_then_read_them_back(capsys, tmp_path):
     assert all(r["answers"][0] in r["context"] for r in rows)
 
 
+def test_write_reasoning_tasks(capsys, tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    assert main(["eval", "--tasks", "arith_recall,program_trace", "--lengths", "600", "--samples", "2",
+                 "--write-tasks", str(path)]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["task"] for r in rows] == ["arith_recall"] * 2 + ["program_trace"] * 2
+    assert all(r["metric"] == "trace" and len(r["answers"]) == r["meta"]["steps"] + 1 for r in rows)
+    assert all(r["meta"]["prompt_tokens"] + r["max_new_tokens"] == 600 for r in rows)
+
+
 def test_report_only_needs_results(capsys, tmp_path):
     assert "no results" in _error(capsys, ["eval", "--report-only", "--out", str(tmp_path)])
 

@@ -46,7 +46,7 @@ def _prefill_with(model, ids, patches) -> tuple[float, float, int]:
             cache = cache_mod.TrimCache(keydiff_mod.KeyDiff(budget=1024), config=model.config)
             t0, c0 = time.perf_counter(), time.thread_time()
             kvtrim.prefill(model, ids, cache, chunk_size=128)
-            return time.perf_counter() - t0, time.thread_time() - c0, sum(l.evictions for l in cache.trim_layers())
+            return time.perf_counter() - t0, time.thread_time() - c0, sum(layer.evictions for layer in cache.trim_layers())
     finally:
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)

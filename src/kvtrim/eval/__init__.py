@@ -3,9 +3,11 @@
 Modules (one job each):
     words, haystack   word lists and the synthetic haystacks (prose, RULER's noise sentences)
     ruler             RULER's 11 offline tasks; passkey (5 / 64 digits); tasks (registry, NIAH grid)
+    reasoning         generated step-by-step tasks with long answers (arith / program / var / chain traces)
     sample, prompt    the sample record + JSONL task files; turning a sample into token ids
     fit               sizing samples to a target length in the model's own tokens
-    scoring           RULER's string_match_all / string_match_part, passkey exact / partial
+    scoring           RULER's string_match_all / string_match_part, passkey exact / partial,
+                      boxed / final_number / trace (final answers and step values of reasoning)
     runner            the sweep (methods from `kvtrim.specs`, contexts compressed with `kvtrim.compress`,
                       one shared prefill replayed for every one-shot method), resumable through results.jsonl
     report, presets   summary.csv / summary.md / PNG plots; named sweeps; cli: `kvtrim eval`

@@ -14,7 +14,17 @@ Required: `context`, `question`, `answers` (a string or a list; `outputs` and `a
 aliases, as in RULER and kvpress exports), `max_new_tokens`. Optional: `answer_prefix` (default ""),
 `task` (default "custom"), `length` (the target length in tokens, used for grouping in reports;
 default: measured), `depth` (0..1, needle depth, for heat maps), `id` (default `<task>-<line>`),
-`metric` (`string_match_all` (default), `string_match_part`, `passkey`).
+`metric` (`string_match_all` (default), `string_match_part`, `passkey`, `boxed`, `final_number`, `trace`;
+see `kvtrim.eval.scoring`), `meta` (an object, kept as is).
+
+Reasoning data (GSM8K, MATH500 exports): put the problem in `context` (or all of it in `question` with an
+empty `context`, to compress nothing before decoding starts), the instruction in `question`, e.g.
+"Solve the problem step by step and put the final answer in \\boxed{}.", the reference answer alone in
+`answers` ("18", "\\frac{1}{2}"), `metric` `final_number` (GSM8K: the boxed answer, else the last number)
+or `boxed` (MATH: the boxed answer only), and a `max_new_tokens` long enough for the reasoning (any
+positive integer; thousands for R1-style traces). A `trace` row needs at least two answers: the final
+answer, then the value after each step (`kvtrim.eval.reasoning` writes these); step values must be numbers.
+`tests/data/reasoning_tasks.jsonl` is a small example.
 """
 
 from __future__ import annotations
@@ -24,9 +34,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtrim.eval.scoring import METRICS, last_number
 from kvtrim.methods.base import KvtrimError, check
-
-METRICS = ("string_match_all", "string_match_part", "passkey")
 
 
 @dataclass
@@ -64,6 +73,9 @@ def sample_from_dict(row: dict[str, Any], default_id: str) -> Sample:
           f"{default_id}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
     metric = row.get("metric", "string_match_all")
     check(metric in METRICS, f"{default_id}: unknown metric '{metric}' (use one of {', '.join(METRICS)})")
+    if metric == "trace":
+        check(len(answers) >= 2 and all(last_number(a) == a.strip() for a in answers[1:]),
+              f"{default_id}: a 'trace' row needs answers [final, value after step 1, step 2, ...] (numbers)")
     depth = row.get("depth")
     check(depth is None or (_is_number(depth) and 0 <= depth <= 1),
           f"{default_id}: 'depth' must be a number in [0, 1], got {depth!r}")

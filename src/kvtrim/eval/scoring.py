@@ -7,6 +7,17 @@
   key and a run of digits in the prediction, divided by the key length (1 when exact). Partial match is
   the headline needle metric of the LagKV paper's 64-digit test; the exact formula of its harness was
   not published in the paper, this is our definition.
+* `boxed` (MATH-style): exact = the content of the prediction's last `\\boxed{...}` equals a reference
+  after normalisation (`normalize_answer`); no box, no credit.
+* `final_number` (GSM8K-style): exact = the last `\\boxed{...}` if there is one, else the last number
+  in the prediction, equals a reference (numbers compare by value: `1,000` = `1000.0`).
+* `trace` (the generated reasoning tasks, `kvtrim.eval.reasoning`): `answers[0]` is the final answer,
+  `answers[1:]` the value after each step. exact (`score`) = the `boxed` rule on `answers[0]`;
+  `trace_partial` = the fraction of steps N whose first line `Step N: ... = V` ends with the right value
+  (a step the prediction never reaches counts as wrong); `final_number` is reported too.
+
+Answer extraction is deliberately simple: no symbolic equivalence (`\\frac12` and `0.5` differ), as in
+exact-match harnesses for MATH; see `normalize_answer` for what is normalised.
 
 Scores are in [0, 1] per sample; reports multiply averages by 100.
 """
@@ -17,6 +28,10 @@ import re
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 _DIGITS = re.compile(r"\d+")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_STEP_LINE = re.compile(r"^[\s*#>-]*Step\s+(\d+)\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
+
+METRICS = ("string_match_all", "string_match_part", "passkey", "boxed", "final_number", "trace")
 
 
 def clean_prediction(text: str) -> str:
@@ -52,6 +67,85 @@ def passkey_scores(prediction: str, key: str) -> tuple[float, float]:
     return 0.0, partial
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last complete `\\boxed{...}` in `text` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    while start >= 0:
+        depth = 0
+        for i in range(start + len("\\boxed"), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + len("\\boxed{"): i]
+        start = text.rfind("\\boxed{", 0, start)  # unclosed (cut off): an earlier complete one counts
+    return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (`-3`, `1,234`, `2.5`), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def _as_number(text: str) -> float | None:
+    t = text.replace(",", "").replace(" ", "")
+    try:
+        return float(t)
+    except ValueError:
+        return None
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form of an extracted answer: outer whitespace, `$`, a trailing `.`, `\\text{...}` wrappers,
+    `\\left`/`\\right`, `\\dfrac`/`\\tfrac` (as `\\frac`) and inner spaces go; a number becomes its value
+    (`1,000.0` -> `1000`)."""
+    t = text.strip().strip("$").strip()
+    t = re.sub(r"\\text\{([^{}]*)\}", r"\1", t)
+    t = t.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    t = t.replace("\\!", "").replace("\\,", "").replace(" ", "").rstrip(".")
+    value = _as_number(t)
+    if value is not None and re.fullmatch(r"-?[\d,]*\.?\d*", t):
+        return str(int(value)) if value == int(value) else repr(value)
+    return t
+
+
+def answer_matches(answer: str | None, references: list[str]) -> float:
+    """1.0 if the extracted `answer` equals a reference after `normalize_answer`, else 0.0."""
+    if answer is None:
+        return 0.0
+    got = normalize_answer(answer)
+    return float(any(got == normalize_answer(ref) for ref in references))
+
+
+def step_values(prediction: str) -> dict[int, str]:
+    """`{N: V}` from the prediction's `Step N: ... = V` lines: V is the last number of the line; the first
+    line of each N counts (a model that restarts its trace is judged by its first attempt)."""
+    steps: dict[int, str] = {}
+    for match in _STEP_LINE.finditer(prediction):
+        number = last_number(match.group(2).split("\\boxed")[0])
+        if number is not None:
+            steps.setdefault(int(match.group(1)), number)
+    return steps
+
+
+def trace_partial(prediction: str, step_refs: list[str]) -> float:
+    """Fraction of the reference steps (1-based, in order) whose value the prediction wrote right."""
+    if not step_refs:
+        return 0.0
+    got = step_values(prediction)
+    return sum(answer_matches(got.get(k), [ref]) for k, ref in enumerate(step_refs, start=1)) / len(step_refs)
+
+
+def answer_is_final(metric: str, prediction: str) -> bool:
+    """Whether `prediction` has given its final answer, so that decoding may stop once it is also right:
+    a closed box for `boxed` / `trace` (models end there; a later box would replace it, but that is the
+    model's business after the answer); never for `final_number` (every new number replaces the last one,
+    and a trace passes through the answer's value on its way: only the end of the generation ends it);
+    always for the string and passkey metrics (their score only grows)."""
+    if metric in ("boxed", "trace"):
+        return last_boxed(prediction) is not None
+    return metric != "final_number"
+
+
 def score_prediction(metric: str, prediction: str, references: list[str]) -> dict[str, float]:
     """All scores of one prediction; `score` is the task's own metric."""
     scores = {
@@ -61,6 +155,14 @@ def score_prediction(metric: str, prediction: str, references: list[str]) -> dic
     if metric == "passkey":
         exact, partial = passkey_scores(prediction, references[0])
         scores.update(passkey_exact=exact, passkey_partial=partial, score=exact)
+    elif metric in ("boxed", "final_number", "trace"):
+        finals = references[:1] if metric == "trace" else references
+        boxed = last_boxed(prediction)
+        scores["boxed"] = answer_matches(boxed, finals)
+        scores["final_number"] = answer_matches(boxed if boxed is not None else last_number(prediction), finals)
+        if metric == "trace":
+            scores["trace_partial"] = trace_partial(prediction, references[1:])
+        scores["score"] = scores["final_number" if metric == "final_number" else "boxed"]
     else:
         scores["score"] = scores[metric]
     return scores

@@ -5,11 +5,16 @@ Tasks:
   niah_multivalue, niah_multiquery, vt, cwe, fwe;
 * `passkey` (5 digits) and `passkey_64` (64 digits), filler haystack, needle at a controlled depth;
 * `niah`: one needle (RULER's niah_single_2 format, synthetic prose haystack) at a controlled depth,
-  for the depth x length heat map.
+  for the depth x length heat map;
+* reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, long
+  step-by-step answers scored by the `trace` metric.
 
 Length convention (RULER's): a sample of length L has `prompt tokens + max_new_tokens <= L`, counted
 with the model's tokenizer and prompt format (chat template included), as close to L as whole
-haystack pieces allow. Depth tasks (`passkey*`, `niah`) make `n` samples per depth.
+haystack pieces allow. Depth tasks (`passkey*`, `niah`) make `n` samples per depth. Reasoning tasks
+count the answer instead of a haystack: a sample of length L has as many steps as fit
+`prompt tokens + ANSWER_SLACK x (tokens of the reference answer) <= L`, and `max_new_tokens = L - prompt
+tokens`; every sample of a (task, length) has the same number of steps.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ import random
 from kvtrim.eval.fit import fit_sample, largest_fitting
 from kvtrim.eval.passkey import PASSKEY_TASKS, passkey_eval_sample, passkey_max_new_tokens, random_key
 from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.reasoning import REASONING_TASKS, reasoning_sample
 from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, ruler_sample, units_hint
 from kvtrim.eval.sample import Sample
 from kvtrim.methods.base import KvtrimError, check
 
 DEPTH_TASKS = ["passkey", "passkey_64", "niah"]
-TASKS = RULER_TASKS + DEPTH_TASKS
+TASKS = RULER_TASKS + DEPTH_TASKS + list(REASONING_TASKS)
+# the reference answer times this must fit: room for a model that writes more than the ideal answer
+# (qwen2.5-coder-0.5b wrote 0.85-1.29x the reference, and ran into the cap once at 1.29x: benchmarks/reasoning)
+ANSWER_SLACK = 1.25
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NIAH_MAX_NEW_TOKENS = 32  # the answer is a 7-digit number in one short sentence
 
@@ -61,12 +70,46 @@ def _builder(task: str, length: int, seed: int, depth: float | None):
     return make
 
 
+def reasoning_samples(task: str, fmt: PromptFormat, length: int, n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples of reasoning `task` at `length` tokens (see the module docstring), deterministic under `seed`."""
+    tokenizer = fmt.tokenizer
+
+    def make(index: int, steps: int) -> Sample:
+        return reasoning_sample(task, f"{task}/L{length}/s{seed}/{index}", steps, length=length)
+
+    def need(sample: Sample) -> int:
+        reference = len(tokenizer(sample.meta["reference"], add_special_tokens=False).input_ids)
+        sample.meta["reference_tokens"] = reference
+        return fmt.count(sample) + int(ANSWER_SLACK * reference + 0.999)
+
+    spec = REASONING_TASKS[task]
+    start = max(spec.min_steps + 1, length // (2 * spec.tokens_per_step))
+    try:
+        steps = largest_fitting(lambda u: make(0, spec.min_steps - 1 + u), need, length, start=start)
+    except KvtrimError:
+        raise KvtrimError(f"task {task} at length {length}: the target length is too short for its smallest "
+                          "problem and answer") from None
+    steps += spec.min_steps - 1
+    samples = []
+    for index in range(n):
+        sample = make(index, steps)
+        while need(sample) > length and sample.meta["steps"] > spec.min_steps:  # a few more digits than sample 0
+            sample = make(index, sample.meta["steps"] - 1)
+        prompt = fmt.count(sample)
+        sample.max_new_tokens = length - prompt
+        sample.meta["prompt_tokens"] = prompt
+        samples.append(sample)
+    return samples
+
+
 def generate_samples(
     task: str, fmt: PromptFormat, length: int, n: int, seed: int = 0, depths: tuple[float, ...] | None = None,
 ) -> list[Sample]:
     """`n` samples of `task` at `length` tokens (per depth for depth tasks), deterministic under `seed`."""
     check_tasks([task])
     check(n >= 1, f"--samples must be >= 1, got {n}")
+    if task in REASONING_TASKS:
+        return reasoning_samples(task, fmt, length, n, seed)
     budget = length - max_new_tokens(task)
     cells = list(depths or DEFAULT_DEPTHS) if task in DEPTH_TASKS else [None]
     samples: list[Sample] = []
@@ -81,4 +124,5 @@ def generate_samples(
     return samples
 
 
-__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "TASKS", "check_tasks", "generate_samples"]
+__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "REASONING_TASKS", "TASKS", "check_tasks",
+           "generate_samples", "reasoning_samples"]
