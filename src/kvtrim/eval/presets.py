@@ -5,8 +5,8 @@
   x 1k/2k tokens), one sample per cell, every registered method at compression ratios 0.5 / 0.75 / 0.875 (each
   in its at-budget form), answers capped at 24 new
   tokens (enough for every answer of these tasks; RULER's own caps are 128/30; decoding also stops as
-  soon as the answer holds every reference). Sized to finish in under 15 minutes on 2 CPU cores thanks
-  to prefill reuse.
+  soon as the answer holds every reference). Sized to finish in under 20 minutes on 2 CPU cores thanks
+  to prefill reuse (17.6 min measured with one thread, 11 of them KVzip's scoring passes).
 * `ruler-4k`, `ruler-16k`: the LagKV paper's RULER setup (its 13 tasks minus the two QA tasks, which need
   downloads), query-agnostic, compression ratios 0.25 / 0.5 / 0.75 / 0.875 with kvpress's convention
   (`--compression ratio`: LagKV global mode with L=128, S=4 as kvpress's `LagKVPress`, StreamingLLM,
