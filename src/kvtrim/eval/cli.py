@@ -57,6 +57,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
     p.add_argument("--write-tasks", metavar="F.jsonl", help="write the generated samples to a task file and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    r = p.add_argument_group("scale-out on Ray (needs kvtrim[ray]; see README, 'Sweeps on several GPUs or nodes')")
+    r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="spread the sweep's samples over Ray workers: a local cluster (no ADDRESS), `auto` "
+                        "(the running cluster) or ray://HOST:PORT")
+    r.add_argument("--ray-workers", type=int, metavar="N", help="workers (default: as many as the cluster fits)")
+    r.add_argument("--ray-cpus-per-worker", type=float, metavar="C",
+                   help="CPUs per worker, also its torch threads (default 1)")
+    r.add_argument("--ray-gpus-per-worker", type=float, metavar="G",
+                   help="GPUs per worker, a fraction shares one (default 0; 1 with --device cuda)")
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -111,7 +120,29 @@ def _validate(cfg: dict, args) -> None:
     if args.prefill_chunk_size is not None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
+    cfg["ray"] = _ray_options(args)
     _check_environment(cfg, args)
+
+
+RAY_FLAGS = ("ray_workers", "ray_cpus_per_worker", "ray_gpus_per_worker")
+
+
+def _ray_options(args):
+    """`RayOptions` for `--ray` (None without it); its flags without `--ray` are an error, not ignored."""
+    from kvtrim.eval.ray_sweep import RayOptions
+
+    given = [name for name in RAY_FLAGS if getattr(args, name) is not None]
+    if args.ray is None:
+        check(not given, f"--{given[0].replace('_', '-') if given else ''} needs --ray")
+        return None
+    gpus = args.ray_gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
+    options = RayOptions(address=None if args.ray == "local" else args.ray, workers=args.ray_workers,
+                         cpus_per_worker=1.0 if args.ray_cpus_per_worker is None else args.ray_cpus_per_worker,
+                         gpus_per_worker=gpus)
+    options.check()
+    return options
 
 
 def _check_environment(cfg: dict, args) -> None:
@@ -129,6 +160,8 @@ def _check_environment(cfg: dict, args) -> None:
     else:
         parse_dtype(cfg["dtype"])
         check_device(args.device)
+    if cfg.get("ray") is not None and not args.report_only:
+        require("ray", "ray", "--ray")
     if not args.no_plots:
         require("matplotlib", "eval", "plotting the results (or pass --no-plots)")
     prepare_out_dir(cfg["out"])
@@ -163,9 +196,11 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int, samples=None):
 INVOCATIONS = "invocations.jsonl"
 
 
-def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupted: bool = False) -> None:
+def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupted: bool = False,
+                    ray: dict | None = None) -> None:
     """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several; an interrupted
-    one is recorded too, marked `"interrupted": true`)."""
+    one is recorded too, marked `"interrupted": true`; a `--ray` one records its workers: the CPU time is
+    the driver's only)."""
     import torch
 
     from kvtrim.eval.jsonl import append_jsonl
@@ -173,6 +208,8 @@ def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupte
     record = {"command": "kvtrim eval " + " ".join(sys.argv[2:]), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
               "torch_threads": torch.get_num_threads(), "rows_run": rows_run, "interrupted": interrupted,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if ray is not None:
+        record["ray"] = ray
     append_jsonl(os.path.join(out, INVOCATIONS), record)
 
 
@@ -183,6 +220,7 @@ def _timing_lines(out: str) -> list[str]:
     for r in read_jsonl(os.path.join(out, INVOCATIONS)):
         lines.append(f"- `{r['command']}`: {r['rows_run']} rows in {r['wall_s'] / 60:.1f} min wall "
                      f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}"
+                     + (f", Ray: {r['ray']['workers_started']} worker(s)" if r.get("ray") else "")
                      + (" (interrupted)" if r.get("interrupted") else ""))
     return lines
 
@@ -247,8 +285,14 @@ def cmd_eval(args) -> int:
     check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
     torch.manual_seed(args.seed)
     start, cpu_start = time.perf_counter(), time.process_time()
-    model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
-    runner = Runner(model, tok, settings, out, progress=not args.quiet)
+    if cfg["ray"] is not None:  # the workers load the model; the driver only writes the rows
+        from kvtrim.eval.ray_sweep import ModelLoader, RaySweep
+
+        runner = RaySweep(ModelLoader(cfg["model"], cfg["dtype"], args.device), settings, out, cfg["ray"],
+                          progress=not args.quiet, plugins=args.plugin)
+    else:
+        model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
+        runner = Runner(model, tok, settings, out, progress=not args.quiet)
     jobs = plan(samples, cfg["specs"], cfg["ratios"])
     finished = False
     try:
@@ -256,7 +300,7 @@ def cmd_eval(args) -> int:
         finished = True
     finally:
         _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
-                        interrupted=not finished)
+                        interrupted=not finished, ray=getattr(runner, "summary", None))
     files = write_report(rows, out, _header(cfg, args, out, len(samples)), not args.no_plots,
                          method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"

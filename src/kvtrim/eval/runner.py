@@ -24,6 +24,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -129,6 +130,7 @@ class Runner:
     progress: bool = True
     _stop: set[int] = field(default_factory=set)
     _shared_queries: bool = False
+    _bar: object = None  # the progress bar while `run` runs
     rows_written: int = 0  # rows appended by this runner (also when a run is interrupted)
 
     def __post_init__(self):
@@ -218,39 +220,63 @@ class Runner:
         return True, any(m.waits_for_attention for m in reusable) and is_enabled(self.model)
 
     # ---- the sweep ---------------------------------------------------------------------------
+    def run_unit(self, sample_jobs: list[Job]) -> Iterator[dict]:
+        """The rows of one unit of work: the pending jobs of one sample (they share its prefill), in order.
+
+        A unit is what `kvtrim eval --ray` sends to one worker (`kvtrim.eval.ray_sweep`)."""
+        sample = sample_jobs[0].sample
+        check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
+        compressed, after = self.encode(sample)
+        want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
+        self._shared_queries = queries
+        shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
+        for job in sample_jobs:
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"{sample.task} {job.spec.label} r={job.compression_ratio:g}", refresh=False)
+            yield self.run_job(job, compressed, after, shared)
+        del shared
+
+    @property
+    def _limit(self) -> int | None:
+        from kvtrim.models import context_limit
+
+        return context_limit(self.model.config)
+
     def run(self, jobs: list[Job]) -> list[dict]:
         """Run the jobs not yet in `results.jsonl`; returns all rows of the file afterwards."""
         from tqdm.auto import tqdm
 
-        from kvtrim.models import context_limit
-
         check_run_settings(self.out_dir, self.settings)
-        done = {row.get("key") for row in load_rows(self.out_dir, repair=True)}
-        pending = [job for job in jobs if job.key not in done]
-        by_sample: dict[str, list[Job]] = {}
-        for job in pending:
-            by_sample.setdefault(job.sample.id, []).append(job)
-        bar = tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc="kvtrim eval", unit="run",
-                   disable=not self.progress, dynamic_ncols=True)
+        units = pending_units(self.out_dir, jobs)
+        pending = sum(len(unit) for unit in units)
+        self._bar = tqdm(total=len(jobs), initial=len(jobs) - pending, desc="kvtrim eval", unit="run",
+                         disable=not self.progress, dynamic_ncols=True)
         path = os.path.join(self.out_dir, RESULTS)
-        limit = context_limit(self.model.config)
         try:
             with open(path, "a", encoding="utf-8") as out:
-                for sample_jobs in by_sample.values():
-                    sample = sample_jobs[0].sample
-                    check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, limit)
-                    compressed, after = self.encode(sample)
-                    want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
-                    self._shared_queries = queries
-                    shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
-                    for job in sample_jobs:
-                        bar.set_postfix_str(f"{sample.task} {job.spec.label} r={job.compression_ratio:g}", refresh=False)
-                        row = self.run_job(job, compressed, after, shared)
-                        out.write(json.dumps(row, ensure_ascii=False) + "\n")
-                        out.flush()
+                for unit in units:
+                    for row in self.run_unit(unit):
+                        write_row(out, row)
                         self.rows_written += 1
-                        bar.update(1)
-                    del shared
+                        self._bar.update(1)
         finally:
-            bar.close()
+            self._bar.close()
+            self._bar = None
         return load_rows(self.out_dir)
+
+
+def pending_units(out_dir: str, jobs: list[Job]) -> list[list[Job]]:
+    """The jobs not yet in `out_dir/results.jsonl` (a cut last line repaired first), grouped by sample in
+    plan order: the units of work, each sharing one prefill."""
+    done = {row.get("key") for row in load_rows(out_dir, repair=True)}
+    by_sample: dict[str, list[Job]] = {}
+    for job in jobs:
+        if job.key not in done:
+            by_sample.setdefault(job.sample.id, []).append(job)
+    return list(by_sample.values())
+
+
+def write_row(out, row: dict) -> None:
+    """Append one complete line and flush it (the only damage an interruption can leave is a cut last line)."""
+    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    out.flush()
