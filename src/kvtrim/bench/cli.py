@@ -11,6 +11,7 @@ import sys
 from kvtrim.cli_args import lengths
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError, check
+from kvtrim.ray_cluster import add_ray_arguments, ray_options
 
 DEFAULT_METHODS = ",".join(METHODS)
 
@@ -59,6 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help="compare with kvpress 0.5.5 (run scripts/kvpress_env.sh first) instead of the sweep")
     kv.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
     kv.add_argument("--passkey-trials", type=int, default=5)
+    add_ray_arguments(p, "context lengths (one worker per node or per GPU)")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -108,6 +110,13 @@ def cmd_bench(args) -> int:
           f"--name must be a plain file name prefix, got '{args.name}'")
     parse_dtype(args.dtype)
     check_device(args.device)
+    ray = ray_options(args)
+    if ray is not None:
+        from kvtrim.bench.ray_bench import check_bench_options
+
+        check(not args.vs_kvpress, "--ray runs the sweep, not --vs-kvpress")
+        check_bench_options(ray)
+        require("ray", "ray", "--ray")
     if args.vs_kvpress:
         check(not args.model.startswith("arch:"), "--vs-kvpress needs real weights (selections are compared)")
     elif not args.no_plots:
@@ -140,6 +149,12 @@ def cmd_bench(args) -> int:
         partial["meta"]["command"] = _command_line()
         write_json(partial, path)
 
+    if ray is not None:  # the workers load the model; the driver merges their lengths
+        from kvtrim.bench.ray_bench import BenchLoader, run_bench_ray
+
+        loader = BenchLoader(args.model, args.dtype, args.device, args.max_context, args.seed)
+        result = run_bench_ray(loader, config, ray, plugins=args.plugin, checkpoint=checkpoint)
+        return _finish(result, path, out, args)
     if config.threads:
         import torch
 
@@ -152,6 +167,13 @@ def cmd_bench(args) -> int:
                            checkpoint=checkpoint)
     finally:
         gc.unfreeze()
+    return _finish(result, path, out, args)
+
+
+def _finish(result: dict, path: pathlib.Path, out: pathlib.Path, args) -> int:
+    """Write the final JSON and the plots."""
+    from kvtrim.bench.summary import write_json
+
     result["meta"]["command"] = _command_line()
     write_json(result, path)
     print(path)

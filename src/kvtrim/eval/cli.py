@@ -10,6 +10,7 @@ import time
 from kvtrim.cli_args import floats, lengths, names
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import check
+from kvtrim.ray_cluster import add_ray_arguments, ray_options
 
 DEFAULT_RATIOS = [0.5, 0.75]
 DEFAULT_LENGTHS = [2048]
@@ -57,15 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
     p.add_argument("--write-tasks", metavar="F.jsonl", help="write the generated samples to a task file and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    r = p.add_argument_group("scale-out on Ray (needs kvtrim[ray]; see README, 'Sweeps on several GPUs or nodes')")
-    r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="spread the sweep's samples over Ray workers: a local cluster (no ADDRESS), `auto` "
-                        "(the running cluster) or ray://HOST:PORT")
-    r.add_argument("--ray-workers", type=int, metavar="N", help="workers (default: as many as the cluster fits)")
-    r.add_argument("--ray-cpus-per-worker", type=float, metavar="C",
-                   help="CPUs per worker, also its torch threads (default 1)")
-    r.add_argument("--ray-gpus-per-worker", type=float, metavar="G",
-                   help="GPUs per worker, a fraction shares one (default 0; 1 with --device cuda)")
+    add_ray_arguments(p, "sweep's samples")
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -120,29 +113,8 @@ def _validate(cfg: dict, args) -> None:
     if args.prefill_chunk_size is not None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
-    cfg["ray"] = _ray_options(args)
+    cfg["ray"] = ray_options(args)
     _check_environment(cfg, args)
-
-
-RAY_FLAGS = ("ray_workers", "ray_cpus_per_worker", "ray_gpus_per_worker")
-
-
-def _ray_options(args):
-    """`RayOptions` for `--ray` (None without it); its flags without `--ray` are an error, not ignored."""
-    from kvtrim.eval.ray_sweep import RayOptions
-
-    given = [name for name in RAY_FLAGS if getattr(args, name) is not None]
-    if args.ray is None:
-        check(not given, f"--{given[0].replace('_', '-') if given else ''} needs --ray")
-        return None
-    gpus = args.ray_gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
-    options = RayOptions(address=None if args.ray == "local" else args.ray, workers=args.ray_workers,
-                         cpus_per_worker=1.0 if args.ray_cpus_per_worker is None else args.ray_cpus_per_worker,
-                         gpus_per_worker=gpus)
-    options.check()
-    return options
 
 
 def _check_environment(cfg: dict, args) -> None:
