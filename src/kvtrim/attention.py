@@ -12,6 +12,11 @@ with `AttentionMaskInterface`) under new names, so nothing of `transformers` is 
 * `"kvtrim_eager"` wraps the model's own eager attention (`eager_attention_forward` of its modeling
   module), whose returned weights are the probabilities that produced the output.
 
+A ragged cache layer (`TrimLayer.is_ragged`: rows of unequal lengths) is attended by
+`kvtrim.ragged_attention` over the step's padded view with its own mask (the model's mask, built for
+another layout, is ignored), or flash-attn's varlen kernel where it applies; the probability path
+returns probabilities over the padded view (0 at its filler entries).
+
 After the output is computed, `take_pending_layer(module.layer_idx)` returns the `TrimLayer` whose method
 waits (see `kvtrim.cache`), and it gets `after_attention(queries, probs, scaling)` with the post-RoPE
 queries `(batch, q_heads, q_len, head_dim)` and, for decode steps of methods that need them, the
@@ -31,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from kvtrim.cache import TrimLayer, take_pending_layer
 from kvtrim.methods.base import KvtrimError, check
+from kvtrim.ragged_attention import flash_varlen_available, ragged_attention, ragged_attention_with_probabilities
 
 SDPA = "kvtrim_sdpa"
 EAGER = "kvtrim_eager"
@@ -98,6 +104,30 @@ def _hand_over(layer: TrimLayer | None, query: torch.Tensor, probs: torch.Tensor
         layer.after_attention(query, probs, scale)
 
 
+def _ragged(layer: TrimLayer | None, query: torch.Tensor, scaling: float | None, dropout: float, kwargs: dict):
+    """`(output (b, q, q_heads, d), probs or None)` for a ragged layer's step, else None (a dense layer)."""
+    step = None if layer is None else layer.take_ragged_step()
+    if step is None:
+        return None
+    view, storage, query_positions = step
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    unsupported = [k for k in ("position_bias", "s_aux", "sinks") if kwargs.get(k) is not None]
+    check(not unsupported, f"ragged kvtrim attention does not support {', '.join(unsupported)} yet")
+    check(dropout == 0.0, "ragged kvtrim attention runs in eval mode only (dropout > 0)")
+    softcap = kwargs.get("softcap")
+    if _wants_probs(layer, query):
+        kv = view if view is not None else layer.padded_view()
+        out, probs = ragged_attention_with_probabilities(query, kv, query_positions, scaling=scale, softcap=softcap)
+    else:
+        if storage is not None and flash_varlen_available(query):  # reads the storage: it ends with this step
+            kv = storage
+        else:
+            kv = view if view is not None else layer.padded_view()
+        out, probs = ragged_attention(query, kv, query_positions, scaling=scale, softcap=softcap), None
+    _hand_over(layer, query, probs, scale)
+    return out, probs
+
+
 def fit_mask(mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
     """A mask built for another layer's stored length, refitted to `kv_length` entries.
 
@@ -126,6 +156,9 @@ def kvtrim_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """SDPA, plus the hand-off to a waiting `TrimLayer` (see the module docstring)."""
     layer = _pending(module, kwargs)
+    ragged = _ragged(layer, query, scaling, dropout, kwargs)
+    if ragged is not None:
+        return ragged[0], None
     attention_mask = fit_mask(attention_mask, key.shape[-2])
     if not _wants_probs(layer, query):
         out, _ = sdpa_attention_forward(
@@ -169,6 +202,9 @@ def kvtrim_eager_attention(
     """The model's eager attention, plus the hand-off of its own weights to a waiting `TrimLayer`."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = _pending(module, kwargs)
+    ragged = _ragged(layer, query, scale, dropout, kwargs)
+    if ragged is not None:
+        return ragged
     attention_mask = fit_mask(attention_mask, key.shape[-2])
     out, weights = _model_eager(module)(module, query, key, value, attention_mask, scaling=scale, dropout=dropout,
                                         **kwargs)

@@ -11,6 +11,18 @@ Logical vs physical length (the contract every model forward relies on):
 
 Every layer keeps `positions` `(batch, kv_heads, n)`, the original position of each stored entry,
 sorted ascending per head. Kept entries are gathered into new, smaller tensors: memory is really freed.
+
+Two storage layouts per layer (`TrimLayer.is_ragged`):
+
+* dense (the fast path): `keys`, `values` `(batch, kv_heads, n, head_dim)`, every `(sequence, kv_head)`
+  row holding the same `n` entries: what `DynamicCache` holds, bit-identical attention;
+* ragged: a `kvtrim.storage.RaggedKV` slot pool (`layer.storage`), every row its own length
+  (`layer.lengths`), allocated bytes within 2 % of the entries held. A layer switches for good the first
+  time a method keeps unequal numbers of entries per row (a keep mask, or indices padded with -1: e.g.
+  `kvtrim.AdaKV`). Attention over a ragged layer needs kvtrim's attention function, which calls
+  `kvtrim.ragged_attention` on the step's transient padded view (a missing hand-off is an error at the
+  next layer's update, as for methods that need queries). Methods then see that padded view
+  (`view.valid` marks the stored entries).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
+from kvtrim.storage import PaddedView, RaggedKV, keep_mask
 
 # ---- the hand-off to kvtrim's attention function ---------------------------------------------------
 # The protocol (all of it): `TrimLayer.update` of a layer whose method waits for its attention registers
@@ -109,8 +122,10 @@ class TrimLayer(DynamicLayer):
     """A full-attention cache layer that stores keys, values and original positions, and evicts.
 
     Attributes:
-        keys, values: `(batch, kv_heads, n_stored, head_dim)`.
-        positions: `(batch, kv_heads, n_stored)` LongTensor, original position of each entry.
+        keys, values: `(batch, kv_heads, n_stored, head_dim)` (None once the layer is ragged).
+        positions: `(batch, kv_heads, n_stored)` LongTensor, original position of each entry (None once
+            ragged: `storage.positions`, -1 past a row's length).
+        storage: the `RaggedKV` of a ragged layer, else None. lengths: `(batch, kv_heads)` stored per row.
         seen: tokens seen by this layer. `peak`: largest number of entries ever held (transients included).
         prompt_tokens: the prompt's length once it ended (None while the prompt is open).
         state: the method's per-layer state.
@@ -141,6 +156,10 @@ class TrimLayer(DynamicLayer):
         self._forward: tuple[Phase, bool, int, Any] = (Phase.PREFILL, False, 0, None)
         self._prompt_queries: torch.Tensor | None = None  # kept for a deferred prompt end
         self._scoring: tuple[torch.Tensor, ...] | None = None  # a scoring pass's transient (keys, values, positions)
+        self.storage: RaggedKV | None = None
+        # a ragged layer's step, for kvtrim's attention: [padded view or None, query positions (b, q),
+        # whether the storage still ends with this step's entries (nothing evicted since the append)]
+        self._ragged_step: list | None = None
 
     @property
     def owner(self) -> TrimCache | None:
@@ -164,16 +183,40 @@ class TrimLayer(DynamicLayer):
             return Phase.PREFILL, False, None
         return (Phase.APPEND if q > 1 else Phase.DECODE), False, None
 
+    @property
+    def is_ragged(self) -> bool:
+        """True once rows hold different numbers of entries (stored in `storage`, see the module docstring)."""
+        return self.storage is not None
+
+    def padded_view(self) -> PaddedView:
+        """A ragged layer's padded view `(batch, kv_heads, width, ...)`; built once per step (transient)."""
+        check(self.is_ragged, "padded_view is for ragged layers")
+        step = self._ragged_step
+        if step is not None and step[0] is not None:
+            return step[0]
+        view = self.storage.padded()
+        if step is not None:
+            step[0] = view
+        return view
+
     def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None) -> LayerView:
         """The read-only view a method gets, for the current forward (in a scoring pass: the stored
-        entries followed by the pass's own, which are not stored)."""
+        entries followed by the pass's own, which are not stored; in a ragged layer: the padded view,
+        `valid` marking the stored entries)."""
         phase, ends, n_new, info = self._forward
-        keys, values, positions = self._scoring if self._scoring is not None else (self.keys, self.values,
-                                                                                    self.positions)
+        valid = None
+        if self._scoring is not None:
+            keys, values, positions = self._scoring
+        elif self.is_ragged:
+            padded = self.padded_view()
+            keys, values, positions, valid = padded.keys, padded.values, padded.positions, padded.valid
+        else:
+            keys, values, positions = self.keys, self.values, self.positions
         return LayerView(
             keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
             state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling, pass_info=info,
+            valid=valid,
         )
 
     def end_prompt(self) -> None:
@@ -220,6 +263,8 @@ class TrimLayer(DynamicLayer):
         if positions is None:
             positions = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q)
         positions = positions[:, None, :].expand(b, h, q)
+        if self.is_ragged:
+            return self._update_ragged(key_states, value_states, positions, phase, ends, q, info)
         if phase is Phase.SCORE:  # attend to everything, store nothing, do not advance
             check(self.method.waits_for_attention, f"{type(self.method).__name__} has no scoring passes")
             self._scoring = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2),
@@ -244,6 +289,37 @@ class TrimLayer(DynamicLayer):
         _PENDING_LAYER.set(weakref.ref(self))  # also lets kvtrim's attention check the layer kind
         return full_keys, full_values
 
+    def _update_ragged(self, key_states, value_states, positions, phase, ends, q, info):
+        """`update` of a ragged layer: append to the storage, keep the step's padded view for kvtrim's
+        attention (which must run: `_awaiting_attention` is always set), let the method decide."""
+        check(phase is not Phase.SCORE, "scoring passes over a ragged cache layer are not supported")
+        self.storage.append(key_states, value_states, positions)
+        self.seen += q
+        self.peak = max(self.peak, self.storage.width)
+        if ends:
+            self.prompt_tokens = self.seen
+        self._forward = (phase, ends, q, info)
+        self._ragged_step = [None, positions[:, 0, :], True]
+        keep = self.method.on_update(self.view())
+        if keep is not None:
+            self.padded_view()  # attend, then evict: the step attends to the view taken before the eviction
+            self._ragged_step[2] = False
+        self.evict(keep)
+        self._awaiting_attention = True
+        _PENDING_LAYER.set(weakref.ref(self))
+        view = self.padded_view()
+        return view.keys, view.values
+
+    def take_ragged_step(self) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor] | None:
+        """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q))` of this
+        ragged step (the storage when it still ends with the step's entries: a varlen kernel may read it),
+        or None for a dense layer. Clears the step (the view is transient)."""
+        step, self._ragged_step = self._ragged_step, None
+        if step is None:
+            return None
+        view, query_positions, intact = step
+        return view, (self.storage if intact else None), query_positions
+
     @property
     def awaiting_attention(self) -> bool:
         """True between `update` and `after_attention` for methods that need queries or probabilities."""
@@ -258,9 +334,12 @@ class TrimLayer(DynamicLayer):
         probabilities of a single-token step (methods with `needs_attention`), else None; `scaling`: the
         softmax scale the layer used."""
         self._awaiting_attention = False
+        self._ragged_step = None
         if _pending() is self:
             _PENDING_LAYER.set(None)
         self.attn_scaling = scaling
+        if not self.method.waits_for_attention:  # a ragged layer's hand-off: the method decided in update
+            return
         phase, ends, _, _ = self._forward
         if phase is Phase.SCORE:  # the pass only informs the method's state; its entries go
             keep = self.method.on_attention(self.view(queries=queries, attention=attention))
@@ -275,26 +354,71 @@ class TrimLayer(DynamicLayer):
     def cancel_attention(self) -> None:
         """Stop waiting for an attention hand-off that will not come (e.g. a model without kvtrim attention)."""
         self._awaiting_attention = False
-        self._scoring = None
+        self._scoring = self._ragged_step = None
         if _pending() is self:
             _PENDING_LAYER.set(None)
 
     def evict(self, keep: torch.Tensor | None) -> None:
-        """Reduce the layer to the kept entries `keep` `(batch, kv_heads, n_keep)` (sorted; None: keep all):
-        one `index_select` of keys, values and positions into new, smaller tensors, and the state."""
+        """Reduce the layer to the kept entries (None: keep all). `keep`: indices `(batch, kv_heads, n_keep)`
+        sorted ascending (every row keeps `n_keep`: one `index_select` of keys, values and positions into
+        new, smaller tensors), or per-row counts: a bool mask `(batch, kv_heads, n)` or indices padded with
+        -1. Unequal counts switch the layer to ragged storage (exactly the kept entries are copied into it);
+        a ragged layer frees the evicted slots (`RaggedKV.evict`). Then the method's state."""
         if keep is None:
             return
+        if self.is_ragged:
+            self.storage.evict(keep)
+            self._after_evict(keep)
+            return
+        b, h, n = self.positions.shape
+        if keep.dtype == torch.bool or (keep.numel() > 0 and int(keep.min()) < 0):
+            mask = keep_mask(keep, torch.full((b, h), n, dtype=torch.long, device=keep.device), n)
+            counts = mask.sum(-1)
+            if bool((counts != counts.max()).any()):
+                self.storage = RaggedKV.from_dense(self.keys, self.values, self.positions, valid=mask)
+                self.keys = self.values = self.positions = None
+                self._after_evict(keep)
+                return
+            keep = mask.nonzero()[:, -1].view(b, h, -1)  # equal counts: the dense contract's indices
         rows = flat_rows(keep, self.keys.shape[2])
         self.keys = select_rows(self.keys, rows, keep.shape[-1])
         self.values = select_rows(self.values, rows, keep.shape[-1])
         self.positions = self.positions.gather(2, keep)
+        self._after_evict(keep)
+
+    def _after_evict(self, keep: torch.Tensor) -> None:
         self.state = self.method.gather_state(self.state, keep)
         self.evictions += 1
 
     # ---- lengths ---------------------------------------------------------------------------
     @property
     def stored(self) -> int:
+        """Entries per row of a dense layer; the longest row of a ragged one (the padded view's width)."""
+        if self.is_ragged:
+            return self.storage.width
         return 0 if self.keys is None else self.keys.shape[-2]
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        """`(batch, kv_heads)` int64: entries stored per (sequence, kv_head) row (None before the first update)."""
+        if self.is_ragged:
+            return self.storage.lengths.clone()
+        if self.positions is None:
+            return None
+        b, h, n = self.positions.shape
+        return torch.full((b, h), n, dtype=torch.long, device=self.positions.device)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this layer's keys and values (the pools of a ragged layer)."""
+        if self.is_ragged:
+            return [self.storage.keys_pool, self.storage.values_pool]
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def ideal_bytes(self) -> int:
+        """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
+        if self.is_ragged:
+            return self.storage.ideal_bytes()
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors())
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -309,53 +433,76 @@ class TrimLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.positions = None
+        self.positions = self.storage = self._ragged_step = None
         self.seen = self.peak = self.evictions = 0
         self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
         self._prompt_queries = self._scoring = None
         self.cancel_attention()
 
-    def _map_batch(self, fn) -> None:
+    def _map_batch(self, fn, rows) -> None:
+        """Apply the batch operation `fn` to every tensor; a ragged layer's storage takes `rows()` instead,
+        the 1-D indices of the sequences it keeps (in order)."""
         if not self.is_initialized:
             return
-        self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        if self.is_ragged:
+            self.storage.select_batch(rows())
+        else:
+            self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
         self.state = _map_tensors(self.state, fn)
         if self._prompt_queries is not None:
             self._prompt_queries = fn(self._prompt_queries)
 
+    def _batch_rows(self) -> torch.Tensor:
+        b = self.storage.batch if self.is_ragged else self.keys.shape[0]
+        return torch.arange(b, device=self.device)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), lambda: beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0),
+                        lambda: self._batch_rows().repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices, ...])
+        self._map_batch(lambda t: t[indices, ...], lambda: self._batch_rows()[indices])
 
     def copy(self, owner: TrimCache | None = None) -> TrimLayer:
         """An independent copy (tensors cloned, state deep-copied) belonging to `owner`."""
         check(not self._awaiting_attention, "cannot copy a cache layer in the middle of a forward")
         new = copy.copy(self)
         new._owner = None if owner is None else weakref.ref(owner)
-        for name in ("keys", "values", "positions", "_prompt_queries"):
+        for name in ("keys", "values", "positions", "_prompt_queries", "storage"):
             value = getattr(self, name)
             setattr(new, name, None if value is None else value.clone())
+        new._ragged_step = None
         new.state = copy.deepcopy(self.state)
         return new
 
 
 @dataclass
 class CacheStats:
-    """What a cache holds. Entries are counted per KV head (one entry = one token of one head)."""
+    """What a cache holds. Entries are counted per KV head (one entry = one token of one head).
+
+    `stored_per_layer`: entries per row of each layer (a ragged layer: its longest row);
+    `lengths_per_layer`: per layer, the `[batch][kv_head]` stored lengths; `bytes_stored` = `bytes_ideal`:
+    `sum(lengths) × head_dim × 2 × element size` over all layers; `bytes_allocated`: the storage sizes of
+    the key and value tensors the cache holds (measured from the tensors, each storage counted once)."""
 
     tokens_seen: int
     stored_per_layer: list[int]
     peak_per_layer: list[int]
-    bytes_stored: int  # keys + values actually held
+    bytes_stored: int  # keys + values of the stored entries (= bytes_ideal)
     bytes_full: int  # keys + values a DynamicCache would hold for the same tokens
-    bytes_bookkeeping: int  # positions and method state
+    bytes_bookkeeping: int  # positions, slot tables and method state
     evicting_layers: list[int] = field(default_factory=list)
+    lengths_per_layer: list[list[list[int]]] = field(default_factory=list)
+    bytes_allocated: int = 0
+    ragged_layers: list[int] = field(default_factory=list)
+
+    @property
+    def bytes_ideal(self) -> int:
+        return self.bytes_stored
 
     @property
     def compression_ratio(self) -> float:
@@ -365,6 +512,7 @@ class CacheStats:
     def as_dict(self) -> dict[str, Any]:
         d = dict(vars(self))
         d["compression_ratio"] = self.compression_ratio
+        d["bytes_ideal"] = self.bytes_ideal
         return d
 
     def summary(self) -> str:
@@ -374,7 +522,8 @@ class CacheStats:
         return (
             f"tokens seen {self.tokens_seen}, stored {span} per layer, "
             f"KV bytes {self.bytes_stored / 2**20:.2f} MiB of {self.bytes_full / 2**20:.2f} MiB full "
-            f"(compression ratio {self.compression_ratio:.3f}, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"
+            f"(compression ratio {self.compression_ratio:.3f}, allocated {self.bytes_allocated / 2**20:.2f} MiB, "
+            f"{len(self.ragged_layers)} ragged layers, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"
         )
 
     def __str__(self) -> str:  # `print(cache.stats())`: the one-line summary, not the dataclass repr
@@ -383,6 +532,20 @@ class CacheStats:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _allocated(tensors, seen_storages: set) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once (views share theirs)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen_storages:
+            continue
+        seen_storages.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
 
 
 class TrimCache(Cache):
@@ -513,27 +676,42 @@ class TrimCache(Cache):
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        stored, peak, evicting = [], [], []
-        bytes_stored = bytes_full = bookkeeping = 0
+        stored, peak, evicting, lengths, ragged = [], [], [], [], []
+        bytes_stored = bytes_full = bookkeeping = allocated = 0
         seen = 0
+        storages: set = set()
         for idx, layer in enumerate(self.layers):
             if not getattr(layer, "is_initialized", False):
                 continue
-            kv = _nbytes(layer.keys) + _nbytes(layer.values)
-            bytes_stored += kv
-            n = layer.keys.shape[-2]
-            stored.append(n)
             if isinstance(layer, TrimLayer):
+                kv = layer.ideal_bytes()
+                allocated += _allocated(layer.kv_tensors(), storages)
+                rows = layer.lengths
+                lengths.append(rows.tolist())
+                stored.append(layer.stored)
                 evicting.append(idx)
                 peak.append(layer.peak)
                 seen = max(seen, layer.seen)
-                per_entry = kv // n if n else 0
-                bytes_full += per_entry * layer.seen
-                bookkeeping += _nbytes(layer.positions)
+                b, h = rows.shape
+                head_dim = layer.storage.head_dim if layer.is_ragged else layer.keys.shape[-1]
+                element = layer.kv_tensors()[0].element_size()
+                bytes_full += b * h * layer.seen * head_dim * 2 * element
+                if layer.is_ragged:
+                    ragged.append(idx)
+                    bookkeeping += layer.storage.bookkeeping_bytes()
+                else:
+                    bookkeeping += _nbytes(layer.positions)
                 bookkeeping += sum(_nbytes(t) for t in _tensors(layer.state))
             else:
+                kv = _nbytes(layer.keys) + _nbytes(layer.values)
+                allocated += _allocated((layer.keys, layer.values), storages)
+                b, h, n = layer.keys.shape[:3]
+                lengths.append([[n] * h for _ in range(b)])
+                stored.append(n)
                 peak.append(n)
                 seen = max(seen, layer.get_seq_length())
                 bytes_full += kv
-        return CacheStats(seen, stored, peak, bytes_stored, bytes_full, bookkeeping, evicting)
+            bytes_stored += kv
+        return CacheStats(seen, stored, peak, bytes_stored, bytes_full, bookkeeping, evicting, lengths, allocated,
+                          ragged)
 

@@ -154,6 +154,10 @@ class LayerView:
     queries: `(batch, q_heads, q_len, head_dim)` post-RoPE (in `on_attention` / `on_prompt_end` of
     methods that need them). attention: `(batch, q_heads, 1, n)` probabilities of a single-token step
     (methods with `needs_attention`). scaling: the softmax scale the layer used.
+    valid: None for a dense layer (every entry stored); for a ragged layer (`TrimLayer.is_ragged`) the
+    `(batch, kv_heads, n)` bool mask of the stored entries of its padded view (`n` = the longest row;
+    entries past a row's length hold filler, positions -1). Methods evicting from ragged layers return
+    a keep mask or -1-padded indices (see `TrimLayer.evict`).
     """
 
     keys: torch.Tensor
@@ -170,10 +174,20 @@ class LayerView:
     attention: torch.Tensor | None = None
     scaling: float | None = None
     pass_info: Any = None
+    valid: torch.Tensor | None = None
 
     @property
     def stored(self) -> int:
+        """Entries per row (the longest row of a ragged layer)."""
         return self.keys.shape[-2]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`(batch, kv_heads)` int64: entries stored per row."""
+        if self.valid is not None:
+            return self.valid.sum(-1)
+        b, h, n = self.keys.shape[:3]
+        return torch.full((b, h), n, dtype=torch.long, device=self.keys.device)
 
     @property
     def kv_heads(self) -> int:
