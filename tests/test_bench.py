@@ -426,3 +426,114 @@ def test_results_written_before_the_same_size_decode_still_validate():
     for s in result["summary"]:
         del s["decode_same_size_full_s"], s["decode_step_vs_same_size"]
     assert validate_result(result) == []
+
+
+# ---- scoring passes: the compression cost of any method that has them ------------------------------------
+@dataclass
+class ClockedPasses(EvictionMethod):
+    """A user-defined method with scoring passes (no tokenizer needed): `passes` forwards of the prompt's
+    first 4 tokens; each layer's hook in a pass advances the fake clock by `pass_cost`; keeps the last
+    `budget` entries when the prompt ends."""
+
+    needs_queries = True
+    scoring_passes = True
+
+    budget: int = 8
+    passes: int = 3
+    pass_cost: float = 2.0
+    clock: FakeClock | None = None
+
+    def scoring_inputs(self, context_ids, tokenizer):
+        return [(context_ids[:, :4], i) for i in range(self.passes)]
+
+    def new_state(self, layer_idx):
+        return []
+
+    def on_attention(self, view):
+        if view.phase.value == "score":
+            self.clock.t += self.pass_cost
+            view.state.append((view.pass_info, view.n_new, view.stored))
+        return None
+
+    def on_prompt_end(self, view):
+        n = view.stored
+        return span(n - self.budget, n, view.keys)
+
+
+def test_scoring_passes_are_timed_apart_from_the_prefill(monkeypatch):
+    """`measure_cell` runs a method's scoring passes through the helper `kvtrim.compress` uses, between
+    the prompt and its end: the fake clock moves only inside the passes' hooks, so `scoring_s` is exactly
+    their cost, the prefill none of it, and `compress_s` = eviction work + passes."""
+    import kvtrim
+    from kvtrim.bench.summary import derive
+    from kvtrim.compress import compress
+
+    model = tiny_model("llama", layers=2)
+    kvtrim.enable(model)
+    clock = FakeClock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    method = ClockedPasses(clock=clock)
+
+    class Spec:  # a spec that builds this very instance
+        label = "clockedpasses"
+
+        def build(self, n, ratio):
+            return method
+
+    spec = Spec()
+    cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=2, collect_garbage=False, same_size_decode=False)
+    ids = torch.randint(0, 200, (1, 40))
+    row = measure_cell(model, spec, ids, cfg, 40)
+    assert row["status"] == "ok" and row["scoring_passes"] == 3
+    assert row["scoring_s"] == 3 * 2 * 2.0  # 3 passes x 2 layers x pass_cost
+    assert row["scoring_evict_s"] == row["scoring_s"] and row["prefill_evict_s"] == 0.0 and row["prefill_s"] == 0.0
+    assert row["stored_per_layer_prefill"] == [8, 8]
+    derived = derive(row)
+    assert derived["compress_s"] == 12.0 and derived["compress_vs_prefill"] is None  # no forward time on this clock
+    # kvtrim.compress runs the same passes with the same timing
+    clock.t = 0.0
+    ctx = compress(model, ids, ClockedPasses(clock=clock))
+    assert ctx.scoring_seconds == 12.0 and ctx.prefill_seconds == 0.0
+    states = [layer.state for layer in ctx.cache.trim_layers()]
+    # every pass saw the whole prompt stored plus its own 4 entries, and left nothing behind
+    assert all(s == [(0, 4, 44), (1, 4, 44), (2, 4, 44)] for s in states)
+    assert ctx.stats().stored_per_layer == [8, 8]
+
+
+def test_compression_cost_in_the_summary():
+    from kvtrim.bench.summary import compression_cost
+
+    assert compression_cost(10.0, 1.0, 0.0) == (1.0, 1.0 / 9.0)
+    assert compression_cost(10.0, 1.0, 17.0) == (18.0, 2.0)
+    base = {"status": "ok", "length": 64, "repeat": 0, "prompt_tokens": 64, "decode_s": 1.0, "decode_tokens": 4,
+            "decode_evict_s": 0.0, "prefill_evict_s": 0.0}
+    rows = [dict(base, method="full", prefill_s=4.0),  # results written before scoring_s existed: 0
+            dict(base, method="x", prefill_s=5.0, prefill_evict_s=1.0, scoring_s=7.0)]
+    full, x = summarize(rows, 0.5)
+    assert full["scoring_s"] == 0.0 and full["compress_s"] == 0.0
+    assert x["scoring_s"] == 7.0 and x["compress_s"] == 8.0 and x["compress_vs_prefill"] == 2.0
+    assert x["compress_vs_full_prefill"] == 2.0
+
+
+def test_cli_with_a_named_model_and_threads(tmp_path, monkeypatch):
+    """Regression: with a model that is not `arch:` (its config is read before the weights load),
+    `kvtrim bench --threads 1` used to hand the model's config to the benchmark (AttributeError)."""
+    import kvtrim.bench.arch as arch
+    import kvtrim.models as models
+    from conftest import tiny_config
+    from kvtrim.cli import main
+
+    monkeypatch.setattr(models, "load_tokenizer_and_config", lambda name: (None, tiny_config("llama")))
+    monkeypatch.setattr(arch, "configured_context", lambda name: 4096)
+    monkeypatch.setattr(arch, "load_bench_model", lambda name, *a, **k: (
+        tiny_model("llama"), None, {"name": name, "weights": "pretrained"}))
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--threads", "1", "--model", "some-local-model", "--methods", "streaming", "--lengths", "48",
+                   "--repeats", "1", "--max-new-tokens", "2", "--trace-length", "0", "--no-warmup", "--no-plots",
+                   "--out", str(tmp_path / "b")])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    result = read_json(tmp_path / "b" / "bench.json")
+    assert validate_result(result) == [] and [r["method"] for r in result["summary"]] == ["full", "streaming"]

@@ -11,7 +11,7 @@ from kvtrim.eval.haystack import prose_sentences
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, cwe_vocabulary, zeta
 from kvtrim.eval.sample import read_task_file, write_task_file
-from kvtrim.eval.tasks import DEPTH_TASKS, REASONING_TASKS, TASKS, generate_samples, max_new_tokens
+from kvtrim.eval.tasks import DEPTH_TASKS, REAL_TEXT_TASKS, REASONING_TASKS, TASKS, generate_samples, max_new_tokens
 from kvtrim.methods.base import KvtrimError
 
 
@@ -30,10 +30,10 @@ def test_registry_has_rulers_eleven_tasks_and_their_lengths():
                            "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"]
     assert {t: max_new_tokens(t) for t in ("niah_single_1", "niah_multiquery", "vt", "cwe", "fwe")} == {
         "niah_single_1": 128, "niah_multiquery": 128, "vt": 30, "cwe": 120, "fwe": 50}
-    assert set(TASKS) == set(RULER_TASKS) | set(DEPTH_TASKS) | set(REASONING_TASKS)
+    assert set(TASKS) == set(RULER_TASKS) | set(DEPTH_TASKS) | set(REAL_TEXT_TASKS) | set(REASONING_TASKS)
 
 
-@pytest.mark.parametrize("task", RULER_TASKS + DEPTH_TASKS)  # reasoning tasks: tests/test_eval_reasoning.py
+@pytest.mark.parametrize("task", RULER_TASKS + DEPTH_TASKS + REAL_TEXT_TASKS)  # reasoning: test_eval_reasoning.py
 def test_generator_is_deterministic_sized_and_contains_its_answers(fmt, task):
     length = 1536
     a = generate_samples(task, fmt, length, 2, seed=3, depths=(0.3,))

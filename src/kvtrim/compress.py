@@ -63,7 +63,7 @@ class CompressedContext:
     context_ids: torch.Tensor
     logits: torch.Tensor
     one_shot_full: bool = False
-    prefill_seconds: float = 0.0  # the context's prefill
+    prefill_seconds: float = 0.0  # the context's prefill (its forwards and the selection at the prompt's end)
     scoring_seconds: float = 0.0  # the method's scoring passes (KVzip's reconstruction), if any
 
     @property
@@ -144,7 +144,8 @@ def compress(
 
     Methods with scoring passes (KVzip) then run them (`Phase.SCORE`: forwards that attend to the cache
     and store nothing) before the prompt ends; they need the model's `tokenizer` to build their inputs.
-    `ctx.prefill_seconds` and `ctx.scoring_seconds` time the two parts.
+    `ctx.prefill_seconds` (the context's forwards and the method's selection at the end of the prompt) and
+    `ctx.scoring_seconds` (the scoring passes, `run_scoring_passes`) time the two parts.
 
     Args:
         chunk_size: tokens per forward; "auto" = the method's block size (block-wise methods such as
@@ -169,12 +170,36 @@ def compress(
     start = time.perf_counter()
     logits = prefill(model, context_ids, cache, chunk_size=chunk_size, end_prompt=not passes)
     prefill_seconds = time.perf_counter() - start
+    scoring_seconds = run_scoring_passes(model, cache, passes)
+    if passes:
+        start = time.perf_counter()
+        cache.end_prompt()  # the selection: part of the prefill, as for every method
+        prefill_seconds += time.perf_counter() - start
+    return CompressedContext(model, cache, context_ids, logits, one_shot_full, prefill_seconds, scoring_seconds)
+
+
+@torch.no_grad()
+def run_scoring_passes(model, cache: TrimCache, passes: list[tuple[torch.Tensor, object]]) -> float:
+    """Run a method's scoring passes on `cache`, prefilled with the prompt still open; returns their
+    wall time in seconds (synchronised on CUDA). The one place that runs them: `compress` and
+    `kvtrim bench` both call it, for any method with `scoring_passes` (`method.scoring_inputs`).
+
+    Each pass `(input_ids (batch, r), info)` is one forward in `Phase.SCORE` at positions continuing
+    after the cache: it attends to every stored entry and stores nothing. The prompt stays open: the
+    caller ends it (the method's selection) afterwards."""
+    if not passes:
+        return 0.0
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     for input_ids, info in passes:
         seen = cache.get_seq_length()
-        positions = torch.arange(seen, seen + input_ids.shape[-1], device=model.device).expand(input_ids.shape[0], -1)
+        positions = torch.arange(seen, seen + input_ids.shape[-1], device=device).expand(input_ids.shape[0], -1)
         with cache.phase(Phase.SCORE, info=info):
-            model(input_ids=input_ids.to(model.device), cache=cache, position_ids=positions, use_cache=True,
+            model(input_ids=input_ids.to(device), cache=cache, position_ids=positions, use_cache=True,
                   logits_to_keep=1)
-    cache.end_prompt()
-    scoring_seconds = time.perf_counter() - start - prefill_seconds
-    return CompressedContext(model, cache, context_ids, logits, one_shot_full, prefill_seconds, scoring_seconds)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

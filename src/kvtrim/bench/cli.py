@@ -124,9 +124,9 @@ def cmd_bench(args) -> int:
     if not args.model.startswith("arch:"):
         from kvtrim.models import load_tokenizer_and_config
 
-        config = load_tokenizer_and_config(args.model)[1]
+        model_config = load_tokenizer_and_config(args.model)[1]  # not `config`: that is the BenchConfig
         for spec in specs:
-            spec.check_config(config)
+            spec.check_config(model_config)
     _check_lengths(args.model, args.lengths, 0 if args.vs_kvpress else args.trace_length, args.max_context)
     out = pathlib.Path(prepare_out_dir(args.out))
 

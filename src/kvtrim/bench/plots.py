@@ -63,11 +63,11 @@ def plot_prefill(result: dict, path: pathlib.Path) -> pathlib.Path:
     plt = _pyplot()
     summary = result["summary"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method, (xs, ys) in _series(summary, "evict_share_prefill").items():
+    for method, (xs, ys) in _series(summary, "compress_vs_prefill").items():
         if method != "full":
             a.plot(xs, [100 * y for y in ys], label=method, **_style(method))
-    a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="eviction work, % of prefill time",
-          title="Choosing what to evict (scoring + gather)")
+    a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="% of the prompt's forward time",
+          title="Compression cost (eviction work + scoring passes)")
     a.axhline(3, color="grey", linewidth=0.8, linestyle=":")
     for method, (xs, ys) in _series(summary, "prefill_vs_full").items():
         b.plot(xs, ys, label=method, **_style(method))

@@ -28,6 +28,7 @@ from kvtrim.bench.memory import PeakMemory
 from kvtrim.specs import MethodSpec, parse_method_spec, parse_method_specs
 from kvtrim.bench.timing import EvictionTimer
 from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.compress import run_scoring_passes
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.methods.lagkv import LagKV
@@ -151,15 +152,21 @@ def decode(model, cache: TrimCache, logits: torch.Tensor, n_tokens: int,
 
 
 def _feed(model, ids: torch.Tensor, cache: TrimCache, sizes: list[int],
-          each_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+          each_chunk: Callable[[], None] | None = None, end_prompt: bool = True) -> torch.Tensor:
     if each_chunk is None:
-        return prefill(model, ids, cache, chunk_sizes=sizes)
+        return prefill(model, ids, cache, chunk_sizes=sizes, end_prompt=end_prompt)
     offset, logits = 0, None
     for size in sizes:
         offset += size
-        logits = prefill(model, ids[:, offset - size : offset], cache, end_prompt=offset == ids.shape[-1])
+        logits = prefill(model, ids[:, offset - size : offset], cache, end_prompt=end_prompt and offset == ids.shape[-1])
         each_chunk()
     return logits
+
+
+def scoring_passes(method: EvictionMethod, ids: torch.Tensor, tokenizer) -> list:
+    """The method's scoring passes on `ids` (`[]` for methods without); a KvtrimError when it cannot
+    build them (KVzip without a tokenizer: random-weight `arch:` models)."""
+    return method.scoring_inputs(ids, tokenizer) if method.scoring_passes else []
 
 
 def _layer_entry_bytes(layer) -> int:
@@ -213,13 +220,19 @@ def time_decode(model, cache: TrimCache, logits: torch.Tensor, n_tokens: int) ->
 
 # ---- one measurement ----------------------------------------------------------------------------
 def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig, length: int,
-                 repeat: int = 0, order: int = 0, return_cache: bool = False):
-    """Measure one (method, prompt) cell. Returns a raw row (and the cache when `return_cache`)."""
+                 repeat: int = 0, order: int = 0, return_cache: bool = False, tokenizer=None):
+    """Measure one (method, prompt) cell. Returns a raw row (and the cache when `return_cache`).
+
+    Methods with scoring passes (KVzip) run them between the prompt's forwards and the end of the
+    prompt (`run_scoring_passes`, as `kvtrim.compress` does): `scoring_s` is their wall time, apart from
+    `prefill_s` (the prompt's forwards and the selection at the prompt's end); the method's hooks during
+    the passes are in `scoring_evict_s`, inside `scoring_s`. `tokenizer` builds the passes' inputs."""
     device = model_device(model)
     n = ids.shape[-1]
     row = {"method": spec.label, "length": length, "prompt_tokens": n, "repeat": repeat, "order": order}
     try:
         method = spec.build(n, config.compression_ratio)
+        passes = scoring_passes(method, ids, tokenizer)
     except KvtrimError as err:
         row.update(status="skipped", reason=str(err))
         return (row, None) if return_cache else row
@@ -233,9 +246,17 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
     with PeakMemory(device, collect=config.collect_garbage) as mem_prefill:
         _sync(device)
         t0 = time.perf_counter()
-        logits = _feed(model, ids, cache, sizes)
+        logits = _feed(model, ids, cache, sizes, end_prompt=not passes)
         _sync(device)
         prefill_s = time.perf_counter() - t0
+        timer.phase = "scoring"
+        scoring_s = run_scoring_passes(model, cache, passes)
+        timer.phase = "prefill"
+        if passes:
+            t0 = time.perf_counter()
+            cache.end_prompt()
+            _sync(device)
+            prefill_s += time.perf_counter() - t0
     stats_prefill = cache.stats()
     shapes = stored_shapes(cache)  # for the physical limit, decoded after the method (outside its memory readings)
     timer.phase = "decode"
@@ -257,6 +278,8 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
     row.update(
         status="ok",
         prefill_s=prefill_s,
+        scoring_s=scoring_s,
+        scoring_passes=len(passes),
         decode_s=decode_s,
         decode_tokens=config.new_tokens,
         decode_same_size_full_s=same_size_s,
@@ -282,13 +305,15 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
 
 
 @torch.no_grad()
-def trace_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig) -> dict:
-    """Stored KV bytes vs tokens seen: one point after each prompt chunk and each decode step."""
+def trace_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig, tokenizer=None) -> dict:
+    """Stored KV bytes vs tokens seen: one point after each prompt chunk and each decode step (and after
+    the scoring passes of methods that have them)."""
     device = model_device(model)
     n = ids.shape[-1]
     out = {"method": spec.label, "prompt_tokens": n}
     try:
         method = spec.build(n, config.compression_ratio)
+        passes = scoring_passes(method, ids, tokenizer)
     except KvtrimError as err:
         return {**out, "status": "skipped", "reason": str(err)}
     sizes, schedule = trace_schedule(method, n)
@@ -299,7 +324,11 @@ def trace_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig) 
         s = cache.stats()
         points.append([s.tokens_seen, s.bytes_stored, s.bytes_full])
 
-    logits = _feed(model, ids.to(device), cache, sizes, each_chunk=record)
+    logits = _feed(model, ids.to(device), cache, sizes, each_chunk=record, end_prompt=not passes)
+    if passes:
+        run_scoring_passes(model, cache, passes)
+        cache.end_prompt()
+        record()
     decode(model, cache, logits, config.trace_decode, each_step=record)
     return {**out, "status": "ok", "method_repr": method.describe(), "schedule": schedule,
             "columns": ["tokens_seen", "bytes_stored", "bytes_full"], "points": points}
@@ -396,7 +425,7 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
             warm = BenchConfig(**{**config.__dict__, "new_tokens": 2})
             for spec in config.methods:
                 status.set_postfix_str(f"warm-up {spec.label}", refresh=False)
-                measure_cell(model, spec, prompts[short][:, :512], warm, short)
+                measure_cell(model, spec, prompts[short][:, :512], warm, short, tokenizer=tokenizer)
                 status.update(1)
             say(f"warm-up done ({time.perf_counter() - started:.0f} s)")
 
@@ -412,12 +441,14 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
                 k = repeat % len(config.methods)
                 order = config.methods[k:] + config.methods[:k]
                 for position, spec in enumerate(order):
-                    row = measure_cell(model, spec, prompts[length], config, length, repeat, position)
+                    row = measure_cell(model, spec, prompts[length], config, length, repeat, position,
+                                       tokenizer=tokenizer)
                     raw.append(row)
                     save()
                     if row["status"] == "ok":
+                        scoring = f", scoring passes {row['scoring_s']:.2f} s" if row["scoring_passes"] else ""
                         line = (f"{spec.label} @ {row['prompt_tokens']}: prefill {row['prefill_s']:.2f} s "
-                                f"(evict {row['prefill_evict_s'] * 1000:.1f} ms), decode "
+                                f"(evict {row['prefill_evict_s'] * 1000:.1f} ms){scoring}, decode "
                                 f"{row['decode_tokens'] / row['decode_s']:.1f} tok/s, stored "
                                 f"{row['stored_bytes_prefill'] / 2**20:.1f} MiB")
                     else:
@@ -438,7 +469,7 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
             ids = prompt_ids(tokenizer, n, config.seed, vocab)
             for spec in config.methods:
                 status.set_postfix_str(f"trace {spec.label}", refresh=False)
-                trace.append(trace_cell(model, spec, ids, config))
+                trace.append(trace_cell(model, spec, ids, config, tokenizer=tokenizer))
                 save()
                 status.update(1)
             say(f"stored-bytes trace done at {ids.shape[-1]} tokens")

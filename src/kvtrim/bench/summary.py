@@ -7,6 +7,13 @@ decode_evict_s / decode_s` (the eviction share of a decode step, averaged over t
 step of a full cache holding as many entries as the method stored after the prompt, decoded right after
 it in the same cell: 1.0 = the physical limit; evicting cells only).
 
+The method's compression cost, for every method alike (`compression_cost`): `scoring_s` = its scoring
+passes (KVzip's context reconstruction; 0 for methods without), `compress_s = prefill_evict_s +
+scoring_s` (everything the method adds to the prompt: its hooks and gathers during the prefill, and its
+passes), `compress_vs_prefill = compress_s / (prefill_s - prefill_evict_s)` (over the model's own
+forwards of the prompt, measured in the same cell); per (method, length) also `compress_vs_full_prefill`,
+the paired ratio of `compress_s` to the full cache's `prefill_s` of the same round.
+
 Per (method, length): the median of each metric over the repeats, and each `*_vs_full` ratio as the
 median over repeats of the *paired* ratio (this repeat's method value / this repeat's full-cache value
 at the same length, measured in the same round): pairing cancels slow drifts of the machine.
@@ -28,6 +35,7 @@ FULL = "full"
 #: metrics summarised by their median over repeats
 METRICS = (
     "prefill_s", "prefill_evict_s", "prefill_score_s", "prefill_gather_s", "evict_share_prefill",
+    "scoring_s", "compress_s", "compress_vs_prefill",
     "decode_s", "decode_tps", "decode_step_s", "decode_evict_s", "evict_share_decode",
     "prefill_evictions", "decode_evictions",
     "stored_bytes_prefill", "full_bytes_prefill", "stored_bytes_end", "full_bytes_end",
@@ -35,7 +43,8 @@ METRICS = (
     "decode_same_size_full_s", "decode_step_vs_same_size",
 )
 #: metrics that results written before they existed lack (reports read those results too)
-LATER_METRICS = ("decode_same_size_full_s", "decode_step_vs_same_size")
+LATER_METRICS = ("decode_same_size_full_s", "decode_step_vs_same_size", "scoring_s", "compress_s",
+                 "compress_vs_prefill")
 #: metric -> name of its paired ratio against the full cache
 RATIOS = {
     "prefill_s": "prefill_vs_full",
@@ -48,6 +57,15 @@ RATIOS = {
 }
 
 
+def compression_cost(prefill_s: float, prefill_evict_s: float, scoring_s: float = 0.0) -> tuple[float, float | None]:
+    """`(compress_s, compress_vs_prefill)` of one measurement: the method's eviction work during the prefill
+    plus its scoring passes, and that over the prompt's forwards without the eviction work (None when
+    those took no time)."""
+    compress = prefill_evict_s + scoring_s
+    forward = prefill_s - prefill_evict_s
+    return compress, (compress / forward if forward > 0 else None)
+
+
 def derive(row: dict) -> dict:
     """The row with its derived per-repeat metrics added (rows that were skipped are returned as is)."""
     if row.get("status") != "ok":
@@ -57,6 +75,9 @@ def derive(row: dict) -> dict:
     out["decode_step_s"] = row["decode_s"] / row["decode_tokens"]
     out["evict_share_prefill"] = row["prefill_evict_s"] / row["prefill_s"] if row["prefill_s"] > 0 else None
     out["evict_share_decode"] = row["decode_evict_s"] / row["decode_s"] if row["decode_s"] > 0 else None
+    out["scoring_s"] = row.get("scoring_s", 0.0)  # results written before scoring passes existed had none
+    out["compress_s"], out["compress_vs_prefill"] = compression_cost(row["prefill_s"], row["prefill_evict_s"],
+                                                                     out["scoring_s"])
     same = row.get("decode_same_size_full_s")
     out["decode_step_vs_same_size"] = row["decode_s"] / same if same else None
     return out
@@ -101,6 +122,10 @@ def summarize(raw: list[dict], compression_ratio: float | None = None) -> list[d
                 if base is not None and r.get(m) is not None and base.get(m):
                     pairs.append(r[m] / base[m])
             out[name] = _median(pairs)
+        # the compression cost over the full cache's prefill in the same round
+        pairs = [r["compress_s"] / full[(length, r["repeat"])]["prefill_s"] for r in ok
+                 if full.get((length, r["repeat"])) and full[(length, r["repeat"])]["prefill_s"] > 0]
+        out["compress_vs_full_prefill"] = _median(pairs)
         if compression_ratio is not None and out.get("full_bytes_prefill"):
             ideal = (1 - compression_ratio) * out["full_bytes_prefill"]
             out["stored_vs_ideal"] = out["stored_bytes_prefill"] / ideal - 1 if method != FULL else None

@@ -1,12 +1,11 @@
 """Opt-in timing of the eviction work inside a `TrimCache`: scoring (the method's hooks) and gather.
 
 `EvictionTimer.instrument(method)` returns a copy of `method` whose hooks (`on_update`, `on_attention`,
-`on_prompt_end`)
-are timed; `EvictionTimer.attach(cache)` times every `TrimLayer.evict` (the gather of keys, values,
+`on_prompt_end`, and the cross-layer `select_layers`) are timed; `EvictionTimer.attach(cache)` times every `TrimLayer.evict` (the gather of keys, values,
 positions and the method's state). Both wrap instance attributes of objects the benchmark built itself,
 so nothing global is patched and a normal run (no timer) pays nothing.
 
-What is timed, per phase ("prefill", "decode"):
+What is timed, per phase ("prefill", "scoring": the method's own scoring passes, "decode"):
 * `score`: the method's hooks, i.e. everything the method does to decide what to keep (for
   attention-based methods this includes recomputing window attention from the handed-over queries,
   but not the attention the model computes anyway);
@@ -34,7 +33,7 @@ from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod
 
 PARTS = ("score", "gather")
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "scoring", "decode")
 
 
 class EvictionTimer:
@@ -86,6 +85,7 @@ class EvictionTimer:
         timed.on_update = self._timed("score", method.__class__.on_update.__get__(timed))
         timed.on_attention = self._timed("score", method.__class__.on_attention.__get__(timed))
         timed.on_prompt_end = self._timed("score", method.__class__.on_prompt_end.__get__(timed))
+        timed.select_layers = self._timed("score", method.__class__.select_layers.__get__(timed))
         return timed
 
     def attach(self, cache: TrimCache) -> TrimCache:

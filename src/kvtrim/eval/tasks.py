@@ -6,6 +6,8 @@ Tasks:
 * `passkey` (5 digits) and `passkey_64` (64 digits), filler haystack, needle at a controlled depth;
 * `niah`: one needle (RULER's niah_single_2 format, synthetic prose haystack) at a controlled depth,
   for the depth x length heat map;
+* `pydoc_needle` (`kvtrim.eval.pydoc_needle`): one fact planted in real prose, the Python language
+  reference of the standard library's `pydoc_data`, asked after the context;
 * reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, long
   step-by-step answers scored by the `trace` metric.
 
@@ -24,13 +26,15 @@ import random
 from kvtrim.eval.fit import fit_sample, largest_fitting
 from kvtrim.eval.passkey import PASSKEY_TASKS, passkey_eval_sample, passkey_max_new_tokens, random_key
 from kvtrim.eval.prompt import PromptFormat
+from kvtrim.eval.pydoc_needle import PYDOC_MAX_NEW_TOKENS, pydoc_needle_sample
 from kvtrim.eval.reasoning import REASONING_TASKS, reasoning_sample
 from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, ruler_sample, units_hint
 from kvtrim.eval.sample import Sample
 from kvtrim.methods.base import KvtrimError, check
 
 DEPTH_TASKS = ["passkey", "passkey_64", "niah"]
-TASKS = RULER_TASKS + DEPTH_TASKS + list(REASONING_TASKS)
+REAL_TEXT_TASKS = ["pydoc_needle"]
+TASKS = RULER_TASKS + DEPTH_TASKS + REAL_TEXT_TASKS + list(REASONING_TASKS)
 # the reference answer times this must fit: room for a model that writes more than the ideal answer
 # (qwen2.5-coder-0.5b wrote 0.85-1.29x the reference, and ran into the cap once at 1.29x: benchmarks/reasoning)
 ANSWER_SLACK = 1.25
@@ -48,6 +52,8 @@ def max_new_tokens(task: str) -> int:
         return passkey_max_new_tokens(PASSKEY_TASKS[task])
     if task == "niah":
         return NIAH_MAX_NEW_TOKENS
+    if task == "pydoc_needle":
+        return PYDOC_MAX_NEW_TOKENS
     return ruler_sample(task, "probe", random.Random(0), 4, 4096).max_new_tokens
 
 
@@ -65,6 +71,8 @@ def _builder(task: str, length: int, seed: int, depth: float | None):
             s = ruler_sample("niah_single_2", sample_id, rng, units, length, haystack_seed=seed, depth=depth)
             s.task, s.max_new_tokens, s.depth = "niah", NIAH_MAX_NEW_TOKENS, depth
             return s
+        if task == "pydoc_needle":
+            return pydoc_needle_sample(sample_id, rng, units, length)
         return ruler_sample(task, sample_id, rng, units, length, haystack_seed=seed)
 
     return make
@@ -115,7 +123,12 @@ def generate_samples(
     samples: list[Sample] = []
     for depth in cells:
         make = _builder(task, length, seed, depth)
-        start = units_hint("niah_single_2" if task == "niah" else task, length) if task not in PASSKEY_TASKS else 8
+        if task in PASSKEY_TASKS:
+            start = 8
+        elif task == "pydoc_needle":
+            start = max(2, length // 12)  # about 12 tokens a line
+        else:
+            start = units_hint("niah_single_2" if task == "niah" else task, length)
         try:
             units = largest_fitting(lambda u: make(0, u), fmt.count, budget, start=start)
         except KvtrimError as err:
@@ -124,5 +137,5 @@ def generate_samples(
     return samples
 
 
-__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "REASONING_TASKS", "TASKS", "check_tasks",
+__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "REAL_TEXT_TASKS", "REASONING_TASKS", "TASKS", "check_tasks",
            "generate_samples", "reasoning_samples"]
