@@ -6,7 +6,8 @@ Tasks:
 * `passkey` (5 digits) and `passkey_64` (64 digits), filler haystack, needle at a controlled depth;
 * `niah`: one needle (RULER's niah_single_2 format, synthetic prose haystack) at a controlled depth,
   for the depth x length heat map;
-* reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, long
+* reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, `var_trace`,
+  `chain_trace`, `list_recall`, long
   step-by-step answers scored by the `trace` metric.
 
 Length convention (RULER's): a sample of length L has `prompt tokens + max_new_tokens <= L`, counted
