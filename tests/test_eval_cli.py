@@ -26,6 +26,9 @@ def _error(capsys, argv) -> str:
         (["--compression-ratios", "0.5,1.0"], "must be in [0, 1)"),
         (["--compression-ratios", "-0.1"], "must be in [0, 1)"),
         (["--samples", "0"], "--samples must be >= 1"),
+        (["--budgets", "128,0"], "--budgets must be >= 1 entry"),
+        (["--budgets", "128,128"], "--budgets has duplicates"),
+        (["--budgets", "12x"], "expected comma-separated integers"),
         (["--depths", "1.5", "--tasks", "niah"], "--depths must be in [0, 1]"),
         (["--lengths", "100000"], "beyond the model's context of 8192"),
         (["--task-file", "/nonexistent/file.jsonl"], "cannot read task file"),
@@ -79,6 +82,19 @@ def test_presets_resolve():
         assert cfg["tasks"] and cfg["lengths"] and cfg["methods"]
     quick = _resolve(parser.parse_args(["eval", "--preset", "quick"]))
     assert quick["model"] == "smollm2-135m" and any(m.startswith("lagkv") for m in quick["methods"])
+
+
+def test_budgets_alone_replace_the_default_ratios():
+    from kvtrim.eval.cli import _resolve, add_parser
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    alone = _resolve(parser.parse_args(["eval", "--budgets", "128,1k"]))
+    assert alone["budgets"] == [128, 1024] and alone["ratios"] == []
+    both = _resolve(parser.parse_args(["eval", "--budgets", "256", "--compression-ratios", "0.5"]))
+    assert both["budgets"] == [256] and both["ratios"] == [0.5]
+    assert _resolve(parser.parse_args(["eval"]))["budgets"] == []
 
 
 def test_lengths_accept_k_suffix():

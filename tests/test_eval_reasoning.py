@@ -13,10 +13,12 @@ import pytest
 
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.reasoning import (
+    LIST_WORDS_PER_STEP,
     MAX_VALUE,
     REASONING_TASKS,
     make_arith,
     make_copy_program,
+    make_list_recall,
     make_program,
     reasoning_problem,
     reasoning_sample,
@@ -87,6 +89,15 @@ def chain_from_text(context: str) -> list[int]:
         assert len(out) <= len(lines)  # no cycle
 
 
+def list_from_text(context: str) -> tuple[dict[str, int], list[str], str]:
+    """The list, the lookups and the asked word, read from the prompt text after the worked example."""
+    problem = context.split("Problem:\n", 1)[1]
+    number = {w: int(n) for w, n in re.findall(r"^([a-z]+): (\d+)$", problem, re.MULTILINE)}
+    lookups = [w for _, w in re.findall(r"^Step (\d+): ([a-z]+)$", problem, re.MULTILINE)]
+    asked = re.search(r"^Asked word: ([a-z]+)$", problem, re.MULTILINE).group(1)
+    return number, lookups, asked
+
+
 @pytest.mark.parametrize("task", list(REASONING_TASKS))
 @pytest.mark.parametrize("seed", range(25))
 def test_reference_solution_matches_a_computation_from_the_prompt_text(task, seed):
@@ -102,6 +113,11 @@ def test_reference_solution_matches_a_computation_from_the_prompt_text(task, see
         assert values == chain_from_text(sample.context) and final == values[-1]
         assert len(re.findall(r"^\d+ -> \d+$", sample.context.split("Problem:")[1], re.MULTILINE)) == 2 * steps
         return  # codes are 3-digit numbers, not running values
+    elif task == "list_recall":
+        number, lookups, asked = list_from_text(sample.context)
+        assert len(number) == max(3, round(LIST_WORDS_PER_STEP * steps)) and len(set(number.values())) == len(number)
+        assert values == [number[w] for w in lookups] and final == number[asked]
+        assert lookups[0] == asked and asked not in lookups[1:]  # the asked fact is the answer's first line only
     else:
         assert values == arith_from_text(sample.context) and final == values[-1]
     assert all(0 <= v <= MAX_VALUE for v in values)
@@ -157,6 +173,16 @@ def test_the_reference_answer_scores_full_marks_and_errors_cost_what_they_should
     cut = "\n".join(line for line in reference.splitlines() if re.match(r"(Memo|Step [1-4]):", line))
     s = score_prediction("trace", cut, sample.answers)
     assert s["trace_partial"] == pytest.approx(0.4) and s["score"] == 0.0
+
+
+def test_list_recall_looks_up_every_word_and_revisits_them():
+    for seed in range(20):
+        p = make_list_recall(random.Random(seed), 40)
+        words = [w for w, _ in p.entries]
+        assert set(p.lookups) == set(words) and len(words) == 24
+        assert all(a != b for a, b in zip(p.lookups, p.lookups[1:]))  # never the same word twice in a row
+    with pytest.raises(KvtrimError, match="at least two steps"):
+        make_list_recall(random.Random(0), 1)
 
 
 def test_every_reasoning_task_is_registered():

@@ -215,3 +215,62 @@ def test_real_model_retrieves_and_reuse_matches_recompute(smollm, tmp_path):
     assert not any(r["prefill_reused"] for r in results[False].values())
     for method, row in results[False].items():
         assert row["prediction"] == results[True][method]["prediction"], method
+
+
+def _expected_trace(start: int, steps: int, budget: int, every: int, slack: int = 1) -> list[int]:
+    """Entries stored before decoding and after each decode forward, simulated one step at a time: each
+    forward appends its token; a method evicting every `every` steps (LazyEviction's window; 1 for
+    step-wise methods) cuts back to `budget` when the layer holds at least `budget + slack`."""
+    trace, stored = [start], start
+    for t in range(1, steps + 1):
+        stored += 1
+        if t % every == 0 and stored >= budget + slack:
+            stored = budget
+        trace.append(stored)
+    return trace
+
+
+def test_budget_sweep_records_the_cache_while_decoding(model, tok, samples, tmp_path):
+    """`--budgets`: rows keyed by budget (ratio null), each method at that absolute size; the stored trace
+    follows each method's schedule (full grows by one per token, StreamingLLM stays at the budget,
+    LazyEviction grows to budget + window and falls back every window steps); peak and final from it."""
+    settings = RunSettings(model="tiny", max_new_tokens=40, stop_when_answered=False)
+    runner = Runner(model, tok, settings, str(tmp_path), progress=False)
+    specs = parse_method_specs(["full", "streaming", "lazyeviction:window=16", "h2o"])
+    rows = {r["method"]: r for r in runner.run(plan(samples[:1], specs, [], [64]))}
+    assert [r["key"].split("|")[-1] for r in rows.values()] == ["0", "b64", "b64", "b64"]
+    prefix, suffix = PromptFormat(tok).encode(samples[0])
+    n, m = prefix.shape[-1], suffix.shape[-1]
+    for r in rows.values():
+        assert r["new_tokens"] == 40 and len(r["stored_trace"]) == 40  # the last token is never fed back
+        assert r["final_stored"] == r["stored_trace"][-1] and r["peak_stored"] == max(r["stored_trace"][:-1]) + 1
+    full, stream, lazy, h2o = (rows[k] for k in ("full", "streaming", "lazyeviction:window=16", "h2o"))
+    assert full["compression_ratio"] == 0 and stream["compression_ratio"] is None and stream["budget"] == 64
+    assert full["stored_trace"] == list(range(n + m, n + m + 40)) and full["final_compression"] == 0
+    # StreamingLLM and H2O: the prompt cut to the budget (the question appended, then cut), every step after
+    assert stream["stored_trace"] == [64] * 40 and stream["peak_stored"] == 65
+    assert h2o["stored_trace"] == [64] * 40
+    # LazyEviction keeps the prompt, then evicts at steps 16 and 32
+    assert lazy["stored_trace"] == _expected_trace(n + m, 39, 64, 16)
+    assert lazy["stored_trace"][16] == 64 and max(lazy["stored_trace"][17:]) <= 64 + 16
+    # the compression at the end of the generation: entries removed of every token seen (all layers alike)
+    assert lazy["final_compression"] == pytest.approx(1 - lazy["final_stored"] / (n + m + 39))
+    assert lazy["achieved_compression"] == 0  # nothing evicted at prefill
+
+    files = write_report(list(rows.values()), str(tmp_path), header="# budgets")
+    md = open(files["markdown"]).read()
+    assert "| streaming | budget 64 |" in md and "peak stored" in md
+    names = sorted(os.path.basename(p) for p in files["plots"])
+    assert names == ["score_vs_budget.png", "stored_entries.png"]
+    avg = [r for r in summarize(list(rows.values())) if r["task"] == "average" and r["budget"] == 64]
+    assert {r["method"] for r in avg} == {"streaming", "lazyeviction:window=16", "h2o"}
+
+
+def test_budget_and_ratio_rows_are_different_cells(model, tok, samples, tmp_path):
+    specs = parse_method_specs(["streaming"])
+    rows = _run(model, tok, samples[:1], tmp_path, reuse=True, specs=specs, ratios=(0.5,))[1]
+    more = Runner(model, tok, RunSettings(model="tiny", max_new_tokens=4, stop_when_answered=False), str(tmp_path),
+                  progress=False).run(plan(samples[:1], specs, [0.5], [100]))
+    assert len(rows) == 1 and len(more) == 2  # the ratio row is not redone, the budget row is new
+    by_key = {r["key"].split("|")[-1]: r for r in more}
+    assert by_key["0.5"]["budget"] == by_key["0.5"]["compressed_tokens"] // 2 and by_key["b100"]["budget"] == 100

@@ -29,7 +29,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import kvtrim
-from kvtrim.eval.decode import eos_ids
+from kvtrim.decoding import eos_ids
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.scoring import score_prediction
 from kvtrim.eval.tasks import REASONING_TASKS, generate_samples

@@ -46,11 +46,12 @@ def eos_ids(model, tokenizer=None) -> set[int]:
 @torch.no_grad()
 def greedy_decode(
     model, cache: TrimCache, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
-    done: Callable[[list[int]], bool] | None = None,
+    done: Callable[[list[int]], bool] | None = None, after_step: Callable[[], None] | None = None,
 ) -> list[int]:
     """Greedy tokens from `logits` `(1, vocab)` (those of the last prompt token), feeding each token back
     through `model` with `cache`; stops at a token of `stop_ids` (not returned), after `max_new_tokens`,
-    or as soon as `done(tokens)` is true."""
+    or as soon as `done(tokens)` is true. `after_step()` runs after each token's forward (to watch the
+    cache during decoding)."""
     tokens: list[int] = []
     for step in range(max_new_tokens):
         token = int(logits[0].argmax())
@@ -61,4 +62,6 @@ def greedy_decode(
             break
         if step + 1 < max_new_tokens:
             logits = forward_last_logits(model, torch.tensor([[token]]), cache)
+            if after_step is not None:
+                after_step()
     return tokens

@@ -80,7 +80,7 @@ class MethodSpec:
         return MethodSpec(self.text, self.name, self.params + tuple(params.items()))
 
     def build(self, context_length: int | None = None, compression_ratio: float | None = None,
-              sizing: str = "at-budget") -> EvictionMethod:
+              sizing: str = "at-budget", budget: int | None = None) -> EvictionMethod:
         """The method this spec names.
 
         Without a context (`kvtrim generate`): built from its parameters as given. In a sweep, for a
@@ -91,6 +91,9 @@ class MethodSpec:
           (kvpress's convention: the method compresses the context once);
         * otherwise `cls.at_budget(budget, n, **params)`: each method in its own reference form, holding
           about `budget` entries once the context is in the cache.
+        With `budget` (`kvtrim eval --budgets`) instead of a ratio: that many entries, whatever the
+        context's length, always in the at-budget form (`sizing` does not apply); a `{ratio}` placeholder
+        becomes the prompt's share it removes, `max(0, 1 - budget / context_length)`.
         Raises `KvtrimError` when the method cannot be configured so.
         """
         if self.is_full:
@@ -100,7 +103,12 @@ class MethodSpec:
             check(not self.has_placeholders, f"{self.text}: placeholders need a sweep (kvtrim eval / bench)")
             return self._construct(params)
         check(sizing in SIZINGS, f"sizing must be one of {', '.join(SIZINGS)}, got '{sizing}'")
-        budget = kept_count(context_length, compression_ratio)
+        check((budget is None) != (compression_ratio is None), "give a sweep cell a compression ratio or a budget")
+        if budget is not None:
+            check(budget >= 1, f"a budget must be >= 1 entry, got {budget}")
+            compression_ratio, sizing = max(0.0, 1 - budget / context_length), "at-budget"
+        else:
+            budget = kept_count(context_length, compression_ratio)
         if self.has_placeholders:
             params = {k: self._fill(k, v, budget, compression_ratio) for k, v in params.items()}
             return self._construct(params)

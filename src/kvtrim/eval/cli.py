@@ -32,6 +32,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"{', '.join(METHODS)}); placeholders {{ratio}} / {{budget}} allowed")
     p.add_argument("--compression-ratios", dest="ratios", type=floats,
                    help=f"compression ratios in [0, 1) (default: {','.join(map(str, DEFAULT_RATIOS))})")
+    p.add_argument("--budgets", type=lengths,
+                   help="token budgets: entries kept per KV head and layer whatever the prompt's length, e.g. "
+                        "128,256,1k (each method in its at-budget form; alongside --compression-ratios, which "
+                        "then default to none)")
     p.add_argument("--compression", choices=["at-budget", "ratio"],
                    help="how a method is configured for a ratio: at-budget (default: cls.at_budget(budget, n)) or "
                         "ratio (compression_ratio= where the method has it, kvpress's convention)")
@@ -75,7 +79,9 @@ def _resolve(args) -> dict:
         "lengths": pick("lengths", DEFAULT_LENGTHS),
         "depths": pick("depths", None),
         "samples": pick("samples", 5),
-        "ratios": pick("ratios", DEFAULT_RATIOS),
+        "budgets": pick("budgets", []),
+        # budgets alone: no ratio cells unless asked for
+        "ratios": pick("ratios", [] if args.budgets is not None or preset.get("budgets") else DEFAULT_RATIOS),
         "compression": pick("compression", "at-budget"),
         "max_new_tokens": pick("max_new_tokens", None),
         "dtype": pick("dtype", "float32"),
@@ -85,6 +91,8 @@ def _resolve(args) -> dict:
     }
     if args.methods is not None:
         cfg["methods"] = args.methods
+    elif preset.get("methods"):
+        cfg["methods"] = list(preset["methods"])
     else:
         extra = preset.get("method_params", {})
         skip = set(preset.get("exclude", []))
@@ -99,9 +107,11 @@ def _validate(cfg: dict, args) -> None:
     from kvtrim.specs import parse_method_specs
     from kvtrim.eval.tasks import check_tasks
 
-    check(cfg["ratios"] and all(0 <= r < 1 for r in cfg["ratios"]),
-          f"--compression-ratios must be in [0, 1), got {cfg['ratios']}")
+    check(bool(cfg["ratios"] or cfg["budgets"]), "give --compression-ratios or --budgets (or both)")
+    check(all(0 <= r < 1 for r in cfg["ratios"]), f"--compression-ratios must be in [0, 1), got {cfg['ratios']}")
     check(len(set(cfg["ratios"])) == len(cfg["ratios"]), "--compression-ratios has duplicates")
+    check(all(b >= 1 for b in cfg["budgets"]), f"--budgets must be >= 1 entry, got {cfg['budgets']}")
+    check(len(set(cfg["budgets"])) == len(cfg["budgets"]), "--budgets has duplicates")
     if cfg["tasks"] is not None:
         check_tasks(cfg["tasks"])
     check(all(L >= 1 for L in cfg["lengths"]), f"--lengths must be positive, got {cfg['lengths']}")
@@ -204,7 +214,9 @@ def _header(cfg: dict, args, out: str, n_samples: int) -> str:
         f"- model: `{cfg['model']}` ({cfg['dtype']}, {args.device}); prompt: "
         f"{'raw' if args.raw else 'chat template'}; protocol: "
         f"{'query-aware (question compressed with the context)' if cfg['query_aware'] else 'query-agnostic (context compressed, then question, greedy answer)'}",
-        f"- methods configured per ratio by `{cfg['compression']}`; samples: {n_samples}; seed {cfg['seed']}"
+        f"- methods configured per ratio by `{cfg['compression']}`"
+        + (f", per budget ({', '.join(map(str, cfg['budgets']))} entries) by at-budget" if cfg["budgets"] else "")
+        + f"; samples: {n_samples}; seed {cfg['seed']}"
         + (f"; answers capped at {cfg['max_new_tokens']} new tokens" if cfg["max_new_tokens"] else ""),
     ]
     timing = _timing_lines(out)
@@ -265,7 +277,7 @@ def cmd_eval(args) -> int:
     else:
         model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
         runner = Runner(model, tok, settings, out, progress=not args.quiet)
-    jobs = plan(samples, cfg["specs"], cfg["ratios"])
+    jobs = plan(samples, cfg["specs"], cfg["ratios"], cfg["budgets"])
     finished = False
     try:
         rows = runner.run(jobs)

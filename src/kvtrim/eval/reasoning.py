@@ -18,6 +18,13 @@ metric (`kvtrim.eval.scoring`) scores the boxed answer exactly and the step valu
   far back in the model's own output, where it was last assigned. The answer: the last line's variable.
 * `var_trace`: the same without arithmetic: lines copy a variable (`b = d`) or assign a fresh 2-digit
   constant; the model writes `Step 9: b = d = 57`. Pure look-back into its own output.
+* `list_recall`: a list of words with a number each and a list of lookups (`Step 5: pear`); the model
+  writes `Step 5: pear = 52` for each, then `Asked word: W = \\boxed{N}` for the word of its *first* step,
+  which no later step looks up: the last line needs a fact about 300 tokens back, both in the prompt and
+  in the model's own first line. The lookups revisit words (each word about `steps / words` times), so
+  the entries that matter keep coming back (LazyEviction's recurring-token pattern). The one task
+  qwen2.5-coder-0.5b solves with the full cache (benchmarks/reasoning: copying is easy for it,
+  arithmetic is not).
 * `chain_trace`: pointer chasing: shuffled links `417 -> 982` (half of them from other chains); from a start
   code the model writes `Step 3: 417 -> 982` until a code links nowhere. Every step is a lookup in the
   prompt, keyed by the code the model wrote one line earlier.
@@ -342,6 +349,72 @@ def chain_reference_answer(chain: Chain) -> str:
     return "\n".join(lines + [f"\\boxed{{{codes[-1]}}}"])
 
 
+# ---- list_recall -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WordList:
+    entries: tuple[tuple[str, int], ...]  # (word, number), in the order the prompt lists them
+    lookups: tuple[str, ...]  # the word of each step
+    asked: str  # the word whose number is the final answer (the first step's, never looked up again)
+
+
+LIST_WORDS_PER_STEP = 0.6  # list size / steps: each word is looked up about 1.7 times
+
+
+def make_list_recall(rng: random.Random, steps: int) -> WordList:
+    """A list of `max(3, round(LIST_WORDS_PER_STEP x steps))` distinct nouns with distinct 2-digit numbers
+    and `steps` lookups: every word at least once where `steps` allows, no word twice in a row, and the
+    first step's word (the asked one) never again."""
+    from kvtrim.eval.words import NOUNS
+
+    check(steps >= 2, f"list_recall needs at least two steps, got {steps}")
+    n_words = max(3, round(LIST_WORDS_PER_STEP * steps))
+    words = rng.sample(NOUNS, n_words)
+    entries = tuple(zip(words, rng.sample(range(10, 100), n_words)))
+    asked, others = words[0], words[1:]
+    lookups = [asked]
+    pool = rng.sample(others, len(others))  # each other word once, in random order, then random picks
+    while len(lookups) < steps:
+        choices = [w for w in (pool or others) if w != lookups[-1]]
+        word = choices[0] if pool else rng.choice(choices)
+        if pool:
+            pool.remove(word)
+        lookups.append(word)
+    order = list(entries)
+    rng.shuffle(order)  # the list order says nothing about the lookup order
+    return WordList(tuple(order), tuple(lookups), asked)
+
+
+def solve_list_recall(problem: WordList) -> list[int]:
+    """The number of each step's word (the reference solver: structured data only)."""
+    number = dict(problem.entries)
+    return [number[w] for w in problem.lookups]
+
+
+LIST_EXAMPLE = (
+    "Each word in the list has a number. Look up the words of the steps in order: write one line per step, "
+    "the word and its number. At the end, write the asked word with its number in a box.\n\n"
+    "Example problem:\nList:\nlamp: 41\nriver: 17\nstone: 88\n"
+    "Step 1: river\nStep 2: stone\nStep 3: lamp\nStep 4: stone\nAsked word: river\n"
+    "Example answer:\nStep 1: river = 17\nStep 2: stone = 88\nStep 3: lamp = 41\nStep 4: stone = 88\n"
+    "Asked word: river = \\boxed{17}\n\n"
+)
+LIST_QUESTION = "Now answer the problem above in the same way: every step, then the asked word with its number in a box."
+
+
+def render_list_recall(problem: WordList) -> tuple[str, str]:
+    entries = "\n".join(f"{w}: {n}" for w, n in problem.entries)
+    steps = "\n".join(f"Step {k}: {w}" for k, w in enumerate(problem.lookups, start=1))
+    return f"{LIST_EXAMPLE}Problem:\nList:\n{entries}\n{steps}\nAsked word: {problem.asked}\n\n", LIST_QUESTION
+
+
+def list_recall_reference_answer(problem: WordList) -> str:
+    number = dict(problem.entries)
+    lines = [f"Step {k}: {w} = {number[w]}" for k, w in enumerate(problem.lookups, start=1)]
+    return "\n".join(lines + [f"Asked word: {problem.asked} = \\boxed{{{number[problem.asked]}}}"])
+
+
 # ---- the tasks as evaluation samples ------------------------------------------------------------------------
 
 
@@ -360,6 +433,7 @@ REASONING_TASKS = {
         ReasoningTask("program_trace", 5, 24),
         ReasoningTask("var_trace", 5, 14),
         ReasoningTask("chain_trace", 1, 24),
+        ReasoningTask("list_recall", 2, 14),
     )
 }
 
@@ -376,6 +450,8 @@ def reasoning_problem(task: str, rng: random.Random, steps: int):
         return make_copy_program(rng, steps)
     if task == "chain_trace":
         return make_chain(rng, steps)
+    if task == "list_recall":
+        return make_list_recall(rng, steps)
     raise KeyError(task)
 
 
@@ -386,6 +462,8 @@ def solution(problem) -> tuple[int, list[int], str]:
     if isinstance(problem, Chain):
         codes = solve_chain(problem)
         return codes[-1], codes, chain_reference_answer(problem)
+    if isinstance(problem, WordList):
+        return dict(problem.entries)[problem.asked], solve_list_recall(problem), list_recall_reference_answer(problem)
     values = solve_arith(problem)
     return values[-1], values, arith_reference_answer(problem)
 
@@ -393,6 +471,8 @@ def solution(problem) -> tuple[int, list[int], str]:
 def render(problem) -> tuple[str, str]:
     if isinstance(problem, Chain):
         return render_chain(problem)
+    if isinstance(problem, WordList):
+        return render_list_recall(problem)
     return render_program(problem) if isinstance(problem, Program) else render_arith(problem)
 
 

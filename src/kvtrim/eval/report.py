@@ -3,7 +3,10 @@
 Aggregation follows RULER: a task's score is the mean of its samples' scores, the average is the mean
 over tasks, both x100. The compression shown is the one measured from each cache right after the
 compressed part of the prompt was prefilled (`cache.stats().compression_ratio`, KV bytes removed),
-averaged over samples, next to the nominal ratio that configured the method.
+averaged over samples, next to the nominal ratio that configured the method. Cells of a budget sweep
+(`--budgets`, rows whose `compression_ratio` is null) are keyed by their budget instead, and also report
+the compression at the end of the generation (`final`) and the peak entries stored during decoding; their
+plots: score vs budget, and the stored entries over the generation of one sample.
 """
 
 from __future__ import annotations
@@ -39,25 +42,39 @@ def scored(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "score" in r]
 
 
+def budget_cell(row: dict) -> int | None:
+    """The budget a row of a budget sweep was run at; None for a row sized by a compression ratio."""
+    return row.get("budget") if row["compression_ratio"] is None else None
+
+
+def setting_label(ratio: float | None, budget: int | None) -> str:
+    return f"{ratio:g}" if ratio is not None else f"budget {budget}"
+
+
+def _setting_order(ratio: float | None, budget: int | None) -> tuple:
+    return (0, ratio, 0) if ratio is not None else (1, 0.0, budget)
+
+
 def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[dict]:
-    """One record per (method, compression_ratio, length, task) plus per (method, ratio, length) average.
+    """One record per (method, compression_ratio, budget, length, task) plus per (method, ratio, budget,
+    length) average; `budget` is None for ratio cells, `compression_ratio` None for budget cells.
 
     `method_order`: the order of methods in tables and legends (default: first appearance in `rows`)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     skipped: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        key = (r["method"], r["compression_ratio"], r["length"], r["task"])
+        key = (r["method"], r["compression_ratio"], budget_cell(r), r["length"], r["task"])
         (groups if "score" in r else skipped)[key].append(r)
     out = []
     methods, tasks, _ = _key_order(rows)  # keep the run's order (full first, methods as given)
     if method_order:
         methods = [m for m in method_order if m in methods] + [m for m in methods if m not in method_order]
-    order = lambda k: (methods.index(k[0]), k[1], k[2], tasks.index(k[3]))  # noqa: E731
+    order = lambda k: (methods.index(k[0]), _setting_order(k[1], k[2]), k[3], tasks.index(k[4]))  # noqa: E731
     for key in sorted(set(groups) | set(skipped), key=order):
-        method, ratio, length, task = key
+        method, ratio, budget, length, task = key
         g = groups.get(key, [])
-        rec = {"method": method, "compression_ratio": ratio, "length": length, "task": task, "n": len(g),
-               "skipped": len(skipped.get(key, []))}
+        rec = {"method": method, "compression_ratio": ratio, "budget": budget, "length": length, "task": task,
+               "n": len(g), "skipped": len(skipped.get(key, []))}
         if g:
             rec.update(
                 score=100 * mean(r["score"] for r in g),
@@ -69,6 +86,13 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
             )
             if all("passkey_partial" in r for r in g):
                 rec["passkey_partial"] = 100 * mean(r["passkey_partial"] for r in g)
+            if all("trace_partial" in r for r in g):
+                rec["trace_partial"] = 100 * mean(r["trace_partial"] for r in g)
+            if all("new_tokens" in r for r in g):
+                rec["new_tokens"] = mean(r["new_tokens"] for r in g)
+            peaks = [r["peak_stored"] for r in g if r.get("peak_stored") is not None]
+            if peaks:
+                rec["peak_stored"] = max(peaks)
         else:
             rec["skip_reason"] = skipped[key][0]["skipped"]
         out.append(rec)
@@ -76,24 +100,27 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
     by_setting: dict[tuple, list[dict]] = defaultdict(list)
     tasks_at: dict[int, set] = defaultdict(set)  # every task evaluated at a length, by any method
     for rec in out:
-        by_setting[(rec["method"], rec["compression_ratio"], rec["length"])].append(rec)
+        by_setting[(rec["method"], rec["compression_ratio"], rec["budget"], rec["length"])].append(rec)
         tasks_at[rec["length"]].add(rec["task"])
-    for (method, ratio, length), recs in list(by_setting.items()):
+    for (method, ratio, budget, length), recs in list(by_setting.items()):
         done = [r for r in recs if r["n"]]
-        avg = {"method": method, "compression_ratio": ratio, "length": length, "task": "average",
+        avg = {"method": method, "compression_ratio": ratio, "budget": budget, "length": length, "task": "average",
                "n": sum(r["n"] for r in recs), "skipped": sum(r["skipped"] for r in recs)}
         if done and {r["task"] for r in done} == tasks_at[length]:  # an average over every task, or none
             avg.update(score=mean(r["score"] for r in done),
                        achieved_compression=mean(r["achieved_compression"] for r in done),
                        final_compression=mean(r["final_compression"] for r in done),
                        seconds=sum(r["seconds"] for r in done))
+            peaks = [r["peak_stored"] for r in done if r.get("peak_stored") is not None]
+            if peaks:
+                avg["peak_stored"] = max(peaks)
         out.append(avg)
     return out
 
 
-CSV_FIELDS = ["method", "compression_ratio", "length", "task", "n", "skipped", "score", "string_match_all",
-              "string_match_part", "passkey_partial", "achieved_compression", "final_compression", "seconds",
-              "skip_reason"]
+CSV_FIELDS = ["method", "compression_ratio", "budget", "length", "task", "n", "skipped", "score", "string_match_all",
+              "string_match_part", "passkey_partial", "trace_partial", "achieved_compression", "final_compression",
+              "peak_stored", "new_tokens", "seconds", "skip_reason"]
 
 
 def write_csv(summary: list[dict], path: str) -> None:
@@ -108,35 +135,51 @@ def _fmt(v, digits=1) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _partial_key(summary: list[dict], task: str) -> str | None:
+    """The partial score a task reports (passkey's digit prefix, or the trace's step values), if any."""
+    for key in ("passkey_partial", "trace_partial"):
+        if any(key in r for r in summary if r["task"] == task):
+            return key
+    return None
+
+
 def markdown_tables(summary: list[dict]) -> str:
-    """One table per length: rows method x nominal ratio; columns tasks, average, achieved compression."""
-    index = {(r["method"], r["compression_ratio"], r["length"], r["task"]): r for r in summary}
+    """One table per length: rows method x nominal ratio (or budget); columns achieved compression, tasks,
+    partial scores, average; budget sweeps add the compression at the end of the generation and the peak
+    entries stored while decoding."""
+    index = {(r["method"], r["compression_ratio"], r["budget"], r["length"], r["task"]): r for r in summary}
     methods = list(dict.fromkeys(r["method"] for r in summary))
     tasks = _task_order(r["task"] for r in summary)
-    partial_tasks = [t for t in tasks if any("passkey_partial" in r for r in summary if r["task"] == t)]
+    partial_tasks = [t for t in tasks if _partial_key(summary, t)]
     lengths = sorted({r["length"] for r in summary})
-    ratios = sorted({r["compression_ratio"] for r in summary})
+    settings = sorted({(r["compression_ratio"], r["budget"]) for r in summary}, key=lambda s: _setting_order(*s))
+    decode_columns = any(b is not None for _, b in settings)
     parts = []
     for length in lengths:
         here = {r["task"] for r in summary if r["length"] == length}
         tasks_l = [t for t in tasks if t in here]
         partial_l = [t for t in partial_tasks if t in here]
-        head = ["method", "ratio", "achieved"] + tasks_l + [f"{t} (partial)" for t in partial_l] + ["avg"]
+        head = (["method", "ratio", "achieved"] + (["final", "peak stored"] if decode_columns else []) + tasks_l
+                + [f"{t} ({'steps' if _partial_key(summary, t) == 'trace_partial' else 'partial'})" for t in partial_l]
+                + ["avg"])
         title = f"**{length} tokens**" if length else "**task-file samples (length not given)**"
         lines = [title if len(lengths) > 1 else "", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for ratio in ratios:
+        for ratio, budget in settings:
             for method in methods:
-                avg = index.get((method, ratio, length, "average"))
+                avg = index.get((method, ratio, budget, length, "average"))
                 if avg is None:
                     continue
-                cells = [method, f"{ratio:g}", _fmt(avg.get("achieved_compression"), 3)]
+                cells = [method, setting_label(ratio, budget), _fmt(avg.get("achieved_compression"), 3)]
+                if decode_columns:
+                    peak = avg.get("peak_stored")
+                    cells += [_fmt(avg.get("final_compression"), 3), "—" if peak is None else str(peak)]
                 for t in tasks_l:
-                    rec = index.get((method, ratio, length, t))
+                    rec = index.get((method, ratio, budget, length, t))
                     cells.append("n/a" if rec is not None and not rec["n"] else _fmt(rec and rec.get("score")))
                 for t in partial_l:
-                    rec = index.get((method, ratio, length, t))
-                    cells.append(_fmt(rec and rec.get("passkey_partial")))
+                    rec = index.get((method, ratio, budget, length, t))
+                    cells.append(_fmt(rec and rec.get(_partial_key(summary, t))))
                 score = avg.get("score")
                 cells.append(f"**{_fmt(score)}**" if score is not None else "n/a")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -148,8 +191,9 @@ def skipped_notes(summary: list[dict]) -> list[str]:
     seen = {}
     for r in summary:
         if r.get("skip_reason"):
-            seen.setdefault((r["method"], r["compression_ratio"]), r["skip_reason"])
-    return [f"- `{m}` at ratio {r:g}: not run ({reason})" for (m, r), reason in seen.items()]
+            seen.setdefault((r["method"], r["compression_ratio"], r["budget"]), r["skip_reason"])
+    return [f"- `{m}` at {'ratio ' if r is not None else ''}{setting_label(r, b)}: not run ({reason})"
+            for (m, r, b), reason in seen.items()]
 
 
 # ---- plots -------------------------------------------------------------------------------------------
@@ -170,7 +214,7 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     one panel per task plus the average."""
     plt = _plt()
     tasks = ["average"] + _task_order(r["task"] for r in summary)
-    lengths = sorted({r["length"] for r in summary})
+    lengths = sorted({r["length"] for r in summary if r["compression_ratio"] is not None})
     cols = min(4, len(tasks))
     rows_n = math.ceil(len(tasks) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
@@ -182,7 +226,7 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
                 (r["achieved_compression"], r["score"], r["compression_ratio"])
                 for r in summary
                 if r["method"] == method and r["task"] == task and r.get("score") is not None
-                and (len(lengths) == 1 or r["length"] == lengths[-1])
+                and r["compression_ratio"] is not None and (len(lengths) == 1 or r["length"] == lengths[-1])
             )
             if not pts:
                 continue
@@ -206,12 +250,94 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_score_vs_budget(summary: list[dict], path: str) -> None:
+    """Budget sweeps: score vs budget (entries kept), one line per method, the full cache dashed; one panel
+    per task plus the average (at the longest length)."""
+    plt = _plt()
+    budgeted = [r for r in summary if r["budget"] is not None]
+    length = max(r["length"] for r in budgeted)
+    tasks = ["average"] + _task_order(r["task"] for r in budgeted)
+    cols = min(4, len(tasks))
+    fig, axes = plt.subplots(math.ceil(len(tasks) / cols), cols, figsize=(4.2 * cols, 3.4 * math.ceil(len(tasks) / cols)),
+                             squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    budgets = sorted({r["budget"] for r in budgeted})
+    for ax, task in zip(axes.flat, tasks):
+        for method in methods:
+            mine = [r for r in summary if r["method"] == method and r["task"] == task and r["length"] == length
+                    and r.get("score") is not None]
+            full = [r for r in mine if r["compression_ratio"] == 0 and r["budget"] is None and method == "full"]
+            if full:
+                ax.axhline(full[0]["score"], color=colors[method], linestyle="--", linewidth=1, label=method)
+                continue
+            pts = sorted((r["budget"], r["score"]) for r in mine if r["budget"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_ylim(-3, 103)
+        ax.set_title(f"{task} ({length} tokens)" if length else task, fontsize=10)
+        ax.set_xlabel("budget (entries per KV head and layer)")
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.suptitle("score vs budget (full cache dashed)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_stored_trace(rows: list[dict], path: str, method_order: list[str] | None = None) -> bool:
+    """Entries stored (largest layer) over the generation of one sample, one panel per budget, one line
+    per method plus the full cache; the budget drawn as a dotted line. The sample: the first with budget
+    rows. Returns False when no row has a trace."""
+    plt = _plt()
+    traced = [r for r in scored(rows) if r.get("stored_trace") and (budget_cell(r) is not None or r["method"] == "full")]
+    sample = next((r["sample_id"] for r in traced if budget_cell(r) is not None), None)
+    if sample is None:
+        return False
+    mine = [r for r in traced if r["sample_id"] == sample]
+    budgets = sorted({budget_cell(r) for r in mine} - {None})
+    methods = list(dict.fromkeys((method_order or []) + [r["method"] for r in mine]))
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 3.8), squeeze=False, sharey=True)
+    full = next((r for r in mine if r["method"] == "full"), None)
+    for ax, budget in zip(axes.flat, budgets):
+        if full is not None:
+            ax.plot(range(len(full["stored_trace"])), full["stored_trace"], color=colors["full"], linestyle="--",
+                    linewidth=1, label="full")
+        for r in mine:
+            if budget_cell(r) == budget:
+                ax.plot(range(len(r["stored_trace"])), r["stored_trace"], color=colors[r["method"]], linewidth=1.2,
+                        label=r["method"])
+        ax.axhline(budget, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(f"budget {budget}", fontsize=10)
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+    axes.flat[0].set_ylabel("entries stored (largest layer)")
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    labels = list(handles)
+    fig.legend([handles[k] for k in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.suptitle(f"stored entries while decoding, sample {sample} (budget dotted)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
 def plot_depth_heatmaps(rows: list[dict], task: str, out_dir: str, method_order: list[str] | None = None) -> list[str]:
     """Per method: depth x length heat maps of `task`'s score, one panel per compression ratio
     (cells a method could not be configured for read "n/a")."""
     plt = _plt()
     skipped = {(r["method"], r["compression_ratio"], r["length"]) for r in rows if r["task"] == task and "skipped" in r}
-    rows = [r for r in scored(rows) if r["task"] == task and r.get("depth") is not None]
+    rows = [r for r in scored(rows) if r["task"] == task and r.get("depth") is not None and r["compression_ratio"] is not None]
     if not rows:
         return []
     depths = sorted({r["depth"] for r in rows})
@@ -265,9 +391,15 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
     files["csv"] = os.path.join(out_dir, "summary.csv")
     write_csv(summary, files["csv"])
     figures: list[str] = []
-    if plots and scored(rows):
+    if plots and any(r["budget"] is None and r["method"] != "full" and r.get("score") is not None for r in summary):
         figures.append(os.path.join(out_dir, "score_vs_compression.png"))
         plot_score_vs_compression(summary, figures[-1])
+    if plots and any(r["budget"] is not None and r.get("score") is not None for r in summary):
+        figures.append(os.path.join(out_dir, "score_vs_budget.png"))
+        plot_score_vs_budget(summary, figures[-1])
+        if plot_stored_trace(rows, os.path.join(out_dir, "stored_entries.png"), method_order):
+            figures.append(os.path.join(out_dir, "stored_entries.png"))
+    if plots and scored(rows):
         for task in dict.fromkeys(r["task"] for r in rows):
             if len({r.get("depth") for r in rows if r["task"] == task} - {None}) >= 2:
                 figures += plot_depth_heatmaps(rows, task, out_dir, [r["method"] for r in summary])
@@ -280,7 +412,11 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
         "Scores: RULER's string_match_all (fraction of the references found in the answer), ×100, mean over "
         "samples, then over tasks (avg). passkey: exact match; (partial): longest matching digit prefix. "
         "`ratio`: nominal compression ratio; `achieved`: fraction of KV bytes removed, measured from the cache "
-        "right after the compressed prompt was prefilled (mean over samples).",
+        "right after the compressed prompt was prefilled (mean over samples)."
+        + (" Budget rows: `final` = KV bytes removed at the end of the generation, `peak stored` = the most "
+           "entries a layer held during a decode forward (max over samples); reasoning tasks score the boxed "
+           "answer exactly, (steps) = fraction of step values right." if any(r["budget"] is not None for r in summary)
+           else ""),
         "",
         SYNTHETIC_NOTE,
     ]

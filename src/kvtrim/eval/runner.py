@@ -1,4 +1,4 @@
-"""The sweep: methods x compression ratios x samples (tasks x lengths), resumable.
+"""The sweep: methods x (compression ratios and budgets) x samples (tasks x lengths), resumable.
 
 Per sample:
 1. encode it (`PromptFormat`): the compressed part (context; or context + question with
@@ -11,7 +11,15 @@ Per sample:
    achieved compression, feed the question (an append), decode greedily, score, and append one row to
    `results.jsonl` at once.
 
-Rows are keyed by `sample id | method label | compression ratio`; rows already in `results.jsonl` are
+A cell is sized by a compression ratio (`budget = kept_count(prompt, ratio)`, the method's at-budget
+or ratio form) or by an absolute budget (`--budgets`: that many entries per KV head and layer whatever
+the prompt's length; `compression_ratio` is null in its rows). Decode-time methods keep evicting while
+the answer grows, so each row also records the cache during decoding: `stored_trace` (entries held, the
+largest layer, before the first decode forward and after each one), `peak_stored` (the most entries a
+layer held during a decode forward, its new token included, before that step's eviction),
+`final_stored` and `final_compression` (KV bytes removed at the end of the generation).
+
+Rows are keyed by `sample id | method label | compression ratio` (or `| b<budget>`); rows already in `results.jsonl` are
 skipped, so an interrupted run resumes where it stopped (a row cut by the interruption is removed from
 the file first and redone, see `kvtrim.eval.jsonl`). `run.json` records the settings that change
 results (model, dtype, prompt format, protocol, token cap); resuming into a folder whose settings differ
@@ -62,17 +70,21 @@ class RunSettings:
 
 @dataclass
 class Job:
+    """One row: a sample and a method at a compression ratio, or at an absolute `budget` (ratio None)."""
+
     sample: Sample
     spec: MethodSpec
-    compression_ratio: float
+    compression_ratio: float | None
+    budget: int | None = None
 
     @property
     def key(self) -> str:
-        return row_key(self.sample.id, self.spec.label, self.compression_ratio)
+        return row_key(self.sample.id, self.spec.label, self.compression_ratio, self.budget)
 
 
-def row_key(sample_id: str, method_label: str, compression_ratio: float) -> str:
-    return f"{sample_id}|{method_label}|{compression_ratio:g}"
+def row_key(sample_id: str, method_label: str, compression_ratio: float | None, budget: int | None = None) -> str:
+    setting = f"b{budget}" if budget is not None else f"{compression_ratio:g}"
+    return f"{sample_id}|{method_label}|{setting}"
 
 
 def load_rows(out_dir: str, repair: bool = False) -> list[dict]:
@@ -111,13 +123,17 @@ def check_run_settings(out_dir: str, settings: RunSettings) -> None:
         json.dump(current, f, indent=1)
 
 
-def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float]) -> list[Job]:
-    """All (sample, method, ratio) jobs; `full` once per sample at ratio 0."""
+def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float],
+         budgets: list[int] | tuple[int, ...] = ()) -> list[Job]:
+    """All (sample, method, ratio) and (sample, method, budget) jobs; `full` once per sample at ratio 0.
+
+    Per sample: `full`, then every method at the first setting (ratios, then budgets, as given), then at
+    the next: an interrupted sweep leaves whole columns of methods to compare."""
+    settings = [(r, None) for r in ratios] + [(None, b) for b in budgets]
     jobs = []
     for sample in samples:
-        for spec in specs:
-            for r in [0.0] if spec.is_full else ratios:
-                jobs.append(Job(sample, spec, r))
+        jobs += [Job(sample, spec, 0.0) for spec in specs if spec.is_full]
+        jobs += [Job(sample, spec, r, b) for r, b in settings for spec in specs if not spec.is_full]
     return jobs
 
 
@@ -146,7 +162,7 @@ class Runner:
         return prefix, suffix
 
     def build(self, job: Job, n: int) -> EvictionMethod:
-        return job.spec.build(n, job.compression_ratio, self.settings.compression)
+        return job.spec.build(n, job.compression_ratio, self.settings.compression, budget=job.budget)
 
     def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
                 shared: CompressedContext | None) -> dict:
@@ -154,7 +170,8 @@ class Runner:
         row = {
             "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
             "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
-            "compression_ratio": job.compression_ratio, "budget": kept_count(n, job.compression_ratio),
+            "compression_ratio": job.compression_ratio,
+            "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
             "compressed_tokens": n, "prompt_tokens": n + after.shape[-1], "query_aware": self.settings.query_aware,
             "metric": sample.metric, "answers": sample.answers,
         }
@@ -180,7 +197,12 @@ class Runner:
         if self.settings.stop_when_answered:
             done = lambda t: score_prediction(  # noqa: E731
                 sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
-        tokens = greedy_decode(self.model, cache, logits, budget, self._stop, done)
+        trace = [max(cache.stats().stored_per_layer)]  # the largest layer's entries, before decoding
+
+        def watch() -> None:
+            trace.append(max(cache.stats().stored_per_layer))
+
+        tokens = greedy_decode(self.model, cache, logits, budget, self._stop, done, watch)
         prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
         final = cache.stats()
         row.update(
@@ -188,6 +210,9 @@ class Runner:
             stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
             **score_prediction(sample.metric, prediction, sample.answers),
             achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
+            # a decode forward holds the entries before it plus its token until its eviction
+            peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
+            stored_trace=trace,
             kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
             stored_per_layer_mean=sum(stats.stored_per_layer) / max(1, len(stats.stored_per_layer)),
             prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
@@ -232,7 +257,8 @@ class Runner:
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
         for job in sample_jobs:
             if self._bar is not None:
-                self._bar.set_postfix_str(f"{sample.task} {job.spec.label} r={job.compression_ratio:g}", refresh=False)
+                setting = f"b={job.budget}" if job.budget is not None else f"r={job.compression_ratio:g}"
+                self._bar.set_postfix_str(f"{sample.task} {job.spec.label} {setting}", refresh=False)
             yield self.run_job(job, compressed, after, shared)
         del shared
 

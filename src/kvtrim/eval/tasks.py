@@ -8,7 +8,8 @@ Tasks:
   for the depth x length heat map;
 * `pydoc_needle` (`kvtrim.eval.pydoc_needle`): one fact planted in real prose, the Python language
   reference of the standard library's `pydoc_data`, asked after the context;
-* reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, long
+* reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, `var_trace`,
+  `chain_trace`, `list_recall`, long
   step-by-step answers scored by the `trace` metric.
 
 Length convention (RULER's): a sample of length L has `prompt tokens + max_new_tokens <= L`, counted
