@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.methods.kvzip import (
+    KVzip,
     FIRST_PROMPT,
     LATER_PROMPT,
     ReconstructionPieces,
@@ -384,3 +385,61 @@ def test_smollm2_chat_pieces():
     ids, prefix = chat_context(tok, "A short document.")
     assert tok.decode(ids[0, prefix:].tolist()) == "A short document."
     assert tok.decode(ids[0, :prefix].tolist()).endswith("<|im_start|>user\n")
+
+
+# ---- head level through the cache (ragged storage) ------------------------------------------------
+class RecordingKVzip(KVzip):
+    """KVzip that keeps a copy of the scores its selection sees (the state is cleared after eviction)."""
+
+    def select_layers(self, views):
+        self.recorded = [v.state.scores.clone() for v in views]
+        return super().select_layers(views)
+
+
+def _kept_per_head(layer) -> list[list[int]]:
+    if layer.is_ragged:
+        v = layer.storage.padded()
+        return [v.positions[0, h][v.valid[0, h]].tolist() for h in range(v.positions.shape[1])]
+    return [layer.positions[0, h].tolist() for h in range(layer.positions.shape[1])]
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvtrim.models import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"))
+
+
+@pytest.mark.parametrize("variant, layerwise", [("official", False), ("kvpress", False), ("kvpress", True)])
+def test_head_level_through_the_cache_keeps_the_global_selection(smollm_tokenizer, variant, layerwise):
+    """`level="head"` via `kvtrim.compress`: every layer and head holds exactly what `select_global` keeps
+    from the same scores (which do not depend on the level), heads hold different counts, the layers that
+    differ are stored ragged with allocated bytes within 2 % of the entries held, and the compressed
+    context answers questions (decoding over ragged layers)."""
+    import kvtrim
+
+    model = kvtrim.enable(tiny_model("qwen2", q_heads=6, kv_heads=2, layers=3, vocab=49152))
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    params = dict(compression_ratio=0.6, variant=variant, chunk_size=64)
+    head = RecordingKVzip(level="head", layerwise=layerwise, **params)
+    ctx = kvtrim.compress(model, ids, head, tokenizer=smollm_tokenizer)
+    uniform = RecordingKVzip(**params)
+    kvtrim.compress(model, ids, uniform, tokenizer=smollm_tokenizer)
+    assert all(torch.equal(a, b) for a, b in zip(head.recorded, uniform.recorded))
+
+    masks = select_global(head.recorded, compression_ratio=0.6, protected=4, layerwise=layerwise, rounding=variant)
+    layers = [layer for layer in ctx.cache.layers if isinstance(layer, kvtrim.TrimLayer)]
+    for layer, mask in zip(layers, masks):
+        assert _kept_per_head(layer) == [mask[0, h].nonzero().flatten().tolist() for h in range(mask.shape[1])]
+        assert layer.lengths.tolist() == mask.sum(-1).tolist()
+    assert any(layer.is_ragged for layer in layers)
+    stats = ctx.stats()
+    assert stats.bytes_allocated <= 1.02 * stats.bytes_ideal
+    assert stats.bytes_ideal < 0.5 * stats.bytes_full  # 60 % of the context's entries are gone, really
+    question = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
+    first = ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert first.shape == (1, 4)
+    assert [layer.lengths.tolist() for layer in layers] == [m.sum(-1).tolist() for m in masks]  # ctx unchanged
+    assert torch.equal(ctx.generate(question, max_new_tokens=4, do_sample=False, pad_token_id=0), first)

@@ -105,6 +105,18 @@ def kept_lists(masks: list[torch.Tensor]) -> list[list[list[int]]]:
     return [[m[0, h].nonzero().flatten().tolist() for h in range(m.shape[1])] for m in masks]
 
 
+def cache_kept(ctx) -> list[list[list[int]]]:
+    """`[layer][head]` original positions a compressed context's cache holds (dense or ragged layers)."""
+    out = []
+    for layer in ctx.cache.layers:
+        if layer.is_ragged:
+            v = layer.storage.padded()
+            out.append([v.positions[0, h][v.valid[0, h]].tolist() for h in range(v.positions.shape[1])])
+        else:
+            out.append([layer.positions[0, h].tolist() for h in range(layer.positions.shape[1])])
+    return out
+
+
 def summary(jac: list[list[float]]) -> dict:
     flat = [x for row in jac for x in row]
     return {"mean": round(sum(flat) / len(flat), 6), "min": round(min(flat), 6),
@@ -150,6 +162,17 @@ def main() -> int:
     official_scores = our_scores(model, ids, prefix, reconstruction_pieces(tok, "chat", "official"),
                                  OFFICIAL_CHUNK_SIZE, prefix)
 
+    # kvtrim's cache path: kvtrim.compress with KVzip(variant="kvpress", level="head"), ragged layers
+    import kvtrim
+
+    cache_model = kvtrim.load_model(args.model, dtype=torch.float32)[0]
+    cache_path = {}
+    for cfg in configs:
+        method = kvtrim.KVzip(compression_ratio=cfg["compression_ratio"], variant="kvpress", level="head",
+                              layerwise=cfg["layerwise"], chunk_size=cfg["chunk_size"])
+        ctx = kvtrim.compress(cache_model, ids, method, tokenizer=tok)
+        cache_path[json.dumps(cfg, sort_keys=True)] = (ctx, cache_kept(ctx))
+
     n = ids.shape[1]
     runs = []
     for run in theirs["runs"]:
@@ -165,6 +188,8 @@ def main() -> int:
         ours_t = torch.stack([s[0] for s in scores[cfg["chunk_size"]]])[..., 4:]
         theirs_t = torch.stack([s[0] for s in theirs_scores])[..., 4:]
         jac = jaccard_per_head(kept_lists(mine), kv_kept)
+        ctx, cache_kept_sets = cache_path[json.dumps(cfg, sort_keys=True)]
+        stats = ctx.stats()
         entry = {
             **cfg,
             "chunks": len(range(0, n - prefix, cfg["chunk_size"])),
@@ -181,6 +206,16 @@ def main() -> int:
             "jaccard": summary(jac),
             "jaccard_per_layer_head": [[round(x, 4) for x in row] for row in jac],
             "selection_only_jaccard": summary(jaccard_per_head(kept_lists(on_theirs), kv_kept)),
+            # the same through the cache: kvtrim.compress, KVzip(variant="kvpress", level="head")
+            "cache_path": {
+                "jaccard": summary(jaccard_per_head(cache_kept_sets, kv_kept)),
+                "jaccard_per_layer_head": [[round(x, 4) for x in row]
+                                           for row in jaccard_per_head(cache_kept_sets, kv_kept)],
+                "ragged_layers": sum(layer.is_ragged for layer in ctx.cache.layers),
+                "bytes_allocated": stats.bytes_allocated, "bytes_ideal": stats.bytes_ideal,
+                "bytes_full": stats.bytes_full,
+                "scoring_seconds": round(ctx.scoring_seconds, 2), "prefill_seconds": round(ctx.prefill_seconds, 2),
+            },
             "scores": {"max_abs_diff": float((ours_t - theirs_t).abs().max()),
                        "max_score": float(theirs_t.max())},
             "kvpress_seconds": round(run["seconds"], 2),
@@ -220,7 +255,9 @@ def main() -> int:
               f"({e['chunks']} chunks): kept {e['kept_ours']}/{e['kept_kvpress']}, Jaccard mean "
               f"{e['jaccard']['mean']:.4f} min {e['jaccard']['min']:.4f} ({e['jaccard']['heads_identical']}/"
               f"{e['jaccard']['heads']} identical), selection only {e['selection_only_jaccard']['mean']:.4f}, "
-              f"score diff {e['scores']['max_abs_diff']:.2e}"
+              f"score diff {e['scores']['max_abs_diff']:.2e}, cache path {e['cache_path']['jaccard']['mean']:.4f} "
+              f"({e['cache_path']['jaccard']['heads_identical']}/{e['cache_path']['jaccard']['heads']} identical, "
+              f"allocated/ideal {e['cache_path']['bytes_allocated'] / e['cache_path']['bytes_ideal']:.3f})"
               + (f", official variant {e['official_variant']['jaccard_vs_kvpress']['mean']:.3f}"
                  f" (protection only {e['official_variant']['only_chat_head_protected']['mean']:.3f},"
                  f" softmax sinks only {e['official_variant']['only_chat_head_as_softmax_sinks']['mean']:.3f})"

@@ -28,7 +28,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# kvpress_side.py ships inside the package (src/kvtrim/bench), importable here without kvtrim itself
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src" / "kvtrim" / "bench"))
 from kvpress_side import load  # noqa: E402  (same model loading as the other kvpress comparisons)
 
 

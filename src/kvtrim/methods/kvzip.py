@@ -450,9 +450,11 @@ class KVzip(EvictionMethod):
             "kvpress" (KVzipPress 0.5.5): chunks of 2048, 4 sinks protected inside the budget, the rest of
             the chat head unscored (evicted first), kvpress's count — its kept sets are reproduced exactly.
         chunk_size: reconstruction chunk (None: the variant's).
-        level: "uniform": the same number of entries in every head and layer (the official
-            "pair-uniform" level; works on today's rectangular cache); "head": one threshold over all
-            heads and layers (the paper's default) — needs ragged storage, not available yet.
+        level: "uniform" (default): the same number of entries in every head and layer (the official
+            "pair-uniform" level; every layer stays a dense rectangle, the fast path); "head": one
+            threshold over all heads and layers (the paper's default and kvpress's): heads keep different
+            counts, the cache stores those layers ragged and frees the evicted entries' memory (kvpress
+            only masks them). "uniform" stays the default so that committed sweeps keep their meaning.
         layerwise: with level "head", one threshold per layer (kvpress's option).
         prompt_format: "chat": the separator is the chat template's end of turn + assistant header (as
             kvpress derives it); "raw": a newline (for base models and plain documents; a kvtrim option).
@@ -490,8 +492,6 @@ class KVzip(EvictionMethod):
         check(self.variant in VARIANTS, f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
         check(self.level in LEVELS, f"level must be one of {', '.join(LEVELS)}, got '{self.level}'")
         check(self.level == "head" or not self.layerwise, "layerwise=True needs level='head'")
-        check(self.level == "uniform", "KVzip level='head' (per-head budgets) needs ragged cache storage, "
-                                       "which kvtrim does not have yet: use level='uniform'")
         check(self.chunk_size is None or self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         check(self.prompt_format in ("chat", "raw"), f"prompt_format must be 'chat' or 'raw', got '{self.prompt_format}'")
 
@@ -532,6 +532,10 @@ class KVzip(EvictionMethod):
               "KVzip scores the context with reconstruction passes: compress it with "
               "kvtrim.compress(model, ids, KVzip(...), tokenizer=tok) (stock generate cannot run them)")
         scores = [v.state.scores for v in views]
+        if self.level == "head":  # per-head counts: the cache stores such layers ragged (memory freed)
+            return select_global(scores, compression_ratio=self.compression_ratio, budget=self.budget,
+                                 protected=views[0].state.protected, layerwise=self.layerwise,
+                                 rounding=self.variant)
         return select_uniform(scores, compression_ratio=self.compression_ratio, budget=self.budget,
                               protected=views[0].state.protected, rounding=self.variant)
 
