@@ -12,7 +12,7 @@ from kvtrim.cli_args import lengths
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError, check
 
-DEFAULT_METHODS = ",".join(METHODS)
+DEFAULT_METHODS = ",".join(name for name, cls in METHODS.items() if not getattr(cls, "wraps", None))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -95,7 +95,8 @@ def _resolve(args) -> dict:
     else:
         extra = preset.get("method_params", {})
         skip = set(preset.get("exclude", []))
-        cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS if name not in skip]
+        cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS
+                          if name not in skip and not getattr(METHODS[name], "wraps", None)]  # wrappers need method=
     if cfg["tasks"] is None and not args.task_file:
         cfg["tasks"] = ["niah_single_1", "niah_single_2", "vt", "passkey"]
     cfg["out"] = args.out or os.path.join("runs", "eval", args.preset or "custom")
