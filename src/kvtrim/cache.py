@@ -414,6 +414,23 @@ class TrimLayer(DynamicLayer):
             return [self.storage.keys_pool, self.storage.values_pool]
         return [t for t in (self.keys, self.values) if t is not None]
 
+    def entry_bytes(self) -> int:
+        """Bytes of one token of every (sequence, kv_head) row: its key and value (0 before the first update)."""
+        if self.is_ragged:
+            return self.storage.batch * self.storage.kv_heads * self.storage.head_dim * 2 * self.storage.dtype.itemsize
+        if self.keys is None or self.keys.numel() == 0:
+            return 0
+        b, h, _, d = self.keys.shape
+        return b * h * (d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
+
+    def dense_shape(self) -> tuple[int, int, int, int] | None:
+        """`(batch, kv_heads, n, head_dim)` of a dense layer holding as many entries (a ragged layer: its
+        mean row length, rounded up); None before the first update."""
+        if self.is_ragged:
+            s = self.storage
+            return s.batch, s.kv_heads, -(-s.stored // (s.batch * s.kv_heads)), s.head_dim
+        return None if self.keys is None else tuple(self.keys.shape)
+
     def ideal_bytes(self) -> int:
         """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
         if self.is_ragged:
