@@ -522,6 +522,11 @@ class CacheStats:
         return self.bytes_stored
 
     @property
+    def mean_stored_per_layer(self) -> list[float]:
+        """Entries per (sequence, kv_head) row of each layer, on average (= `stored_per_layer` when dense)."""
+        return [sum(map(sum, rows)) / max(1, sum(map(len, rows))) for rows in self.lengths_per_layer]
+
+    @property
     def compression_ratio(self) -> float:
         """Achieved fraction of KV bytes removed (0 = full cache)."""
         return 0.0 if self.bytes_full == 0 else 1.0 - self.bytes_stored / self.bytes_full

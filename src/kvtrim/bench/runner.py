@@ -277,7 +277,7 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         stored_bytes_end=stats_end.bytes_stored,
         full_bytes_end=stats_end.bytes_full,
         bookkeeping_bytes_end=stats_end.bytes_bookkeeping,
-        stored_per_layer_prefill=[min(stats_prefill.stored_per_layer), max(stats_prefill.stored_per_layer)],
+        stored_per_layer_prefill=[min(stats_prefill.mean_stored_per_layer), max(stats_prefill.mean_stored_per_layer)],
         peak_per_layer=[min(stats_end.peak_per_layer), max(stats_end.peak_per_layer)],
         kv_peak_layer_sum_bytes=kv_peak_layer_sum(cache),
         kv_live_peak_bytes=timer.live_peak_bytes,

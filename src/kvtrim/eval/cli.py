@@ -28,7 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="registry name, local model dir or hub id (default: smollm2-135m)")
     p.add_argument("--methods", type=names,
                    help="comma-separated method specs NAME[:param=value...] (default: all registered: "
-                        f"{', '.join(METHODS)}); placeholders {{ratio}} / {{budget}} allowed")
+                        f"{', '.join(n for n, c in METHODS.items() if not getattr(c, 'wraps', None))}; wrappers "
+                        "need their method: adakv:method=snapkv); placeholders {ratio} / {budget} allowed")
     p.add_argument("--compression-ratios", dest="ratios", type=floats,
                    help=f"compression ratios in [0, 1) (default: {','.join(map(str, DEFAULT_RATIOS))})")
     p.add_argument("--compression", choices=["at-budget", "ratio"],

@@ -189,7 +189,7 @@ class Runner:
             **score_prediction(sample.metric, prediction, sample.answers),
             achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
             kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
-            stored_per_layer_mean=sum(stats.stored_per_layer) / max(1, len(stats.stored_per_layer)),
+            stored_per_layer_mean=sum(stats.mean_stored_per_layer) / max(1, len(stats.mean_stored_per_layer)),
             prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
         )
         return row
