@@ -62,6 +62,9 @@ def take_pending_layer(layer_idx: int) -> TrimLayer | None:
     if layer is None or layer.layer_idx != layer_idx:
         return None
     _PENDING_LAYER.set(None)
+    owner = layer.owner
+    if owner is not None:
+        owner.kvtrim_attention = True
     return layer
 
 
@@ -375,6 +378,11 @@ class TrimLayer(DynamicLayer):
             mask = keep_mask(keep, torch.full((b, h), n, dtype=torch.long, device=keep.device), n)
             counts = mask.sum(-1)
             if bool((counts != counts.max()).any()):
+                owner = self.owner
+                check(owner is None or owner.kvtrim_attention,
+                      f"{type(self.method).__name__} keeps different numbers of entries per head, which needs "
+                      "kvtrim's attention function: call kvtrim.enable(model) or load the model with "
+                      "kvtrim.load_model() (no kvtrim attention has run on this cache yet)")
                 self.storage = RaggedKV.from_dense(self.keys, self.values, self.positions, valid=mask)
                 self.keys = self.values = self.positions = None
                 self._after_evict(keep)
@@ -608,6 +616,9 @@ class TrimCache(Cache):
             super().__init__(layer_class_to_replicate=DynamicLayer)  # only used for its bookkeeping
         self._step_key: tuple[int, int] | None = None
         self._step_positions: torch.Tensor | None = None
+        #: True once kvtrim's attention function ran on this cache (or the caller knows the model runs it:
+        #: `kvtrim.prefill` / `kvtrim.compress`); a layer only turns ragged then (stock attention cannot mask it)
+        self.kvtrim_attention = False
         self._declared: tuple[Phase, bool] | None = None
 
     # ---- phases ------------------------------------------------------------------------------

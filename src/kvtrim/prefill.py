@@ -116,6 +116,7 @@ def prefill(
         f"{start} cached plus {input_ids.shape[-1]} new tokens exceed the model's context of {limit} tokens",
     )
     input_ids = input_ids.to(model.device)
+    cache.kvtrim_attention = cache.kvtrim_attention or is_enabled(model)
     b = input_ids.shape[0]
     phase = Phase.APPEND if cache.prompt_ended else Phase.PREFILL
     offset = 0
