@@ -203,3 +203,14 @@ def test_equal_keeps_stay_dense():
     layer = cache.layers[0]
     assert not layer.is_ragged and layer.keys.shape[2] == 6
     assert layer.positions[0, 0].tolist() == [0, 2, 4, 6, 8, 10]
+
+
+def test_a_ragged_layer_under_stock_attention_is_a_one_line_error():
+    from kvtrim import AdaKV, KNorm, KvtrimError
+
+    model = tiny_model("llama")  # stock SDPA: cannot mask rows of different lengths
+    cache = TrimCache(AdaKV(KNorm(compression_ratio=0.5)), config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0)), cache=cache)
+        with pytest.raises(KvtrimError, match="needs kvtrim's attention function"):
+            model(torch.tensor([[1]]), cache=cache)

@@ -10,6 +10,7 @@ from kvtrim.calibrate import estimate_window, lazy_eviction_preset
 from kvtrim.specs import MethodSpec, parse_method_spec
 from kvtrim.methods import (
     H2O,
+    AdaKV,
     METHODS,
     TOVA,
     EvictionMethod,
@@ -41,5 +42,5 @@ __all__ = [
     "EvictionMethod", "ScoringMethod", "LayerView", "Phase", "Schedule", "kept_count", "METHODS", "make_method",
     "register_method", "MethodSpec", "parse_method_spec", "KvtrimError", "FullCache", "LagKV", "KeyDiff",
     "StreamingLLM", "SnapKV", "H2O", "TOVA", "LazyEviction", "KNorm", "KVzip", "lagkv_keep_ratio_for",
-    "lagkv_stored_length", "estimate_window", "lazy_eviction_preset",
+    "lagkv_stored_length", "estimate_window", "lazy_eviction_preset", "AdaKV",
 ]

@@ -62,6 +62,9 @@ def take_pending_layer(layer_idx: int) -> TrimLayer | None:
     if layer is None or layer.layer_idx != layer_idx:
         return None
     _PENDING_LAYER.set(None)
+    owner = layer.owner
+    if owner is not None:
+        owner.kvtrim_attention = True
     return layer
 
 
@@ -375,6 +378,11 @@ class TrimLayer(DynamicLayer):
             mask = keep_mask(keep, torch.full((b, h), n, dtype=torch.long, device=keep.device), n)
             counts = mask.sum(-1)
             if bool((counts != counts.max()).any()):
+                owner = self.owner
+                check(owner is None or owner.kvtrim_attention,
+                      f"{type(self.method).__name__} keeps different numbers of entries per head, which needs "
+                      "kvtrim's attention function: call kvtrim.enable(model) or load the model with "
+                      "kvtrim.load_model() (no kvtrim attention has run on this cache yet)")
                 self.storage = RaggedKV.from_dense(self.keys, self.values, self.positions, valid=mask)
                 self.keys = self.values = self.positions = None
                 self._after_evict(keep)
@@ -413,6 +421,23 @@ class TrimLayer(DynamicLayer):
         if self.is_ragged:
             return [self.storage.keys_pool, self.storage.values_pool]
         return [t for t in (self.keys, self.values) if t is not None]
+
+    def entry_bytes(self) -> int:
+        """Bytes of one token of every (sequence, kv_head) row: its key and value (0 before the first update)."""
+        if self.is_ragged:
+            return self.storage.batch * self.storage.kv_heads * self.storage.head_dim * 2 * self.storage.dtype.itemsize
+        if self.keys is None or self.keys.numel() == 0:
+            return 0
+        b, h, _, d = self.keys.shape
+        return b * h * (d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
+
+    def dense_shape(self) -> tuple[int, int, int, int] | None:
+        """`(batch, kv_heads, n, head_dim)` of a dense layer holding as many entries (a ragged layer: its
+        mean row length, rounded up); None before the first update."""
+        if self.is_ragged:
+            s = self.storage
+            return s.batch, s.kv_heads, -(-s.stored // (s.batch * s.kv_heads)), s.head_dim
+        return None if self.keys is None else tuple(self.keys.shape)
 
     def ideal_bytes(self) -> int:
         """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
@@ -505,6 +530,11 @@ class CacheStats:
         return self.bytes_stored
 
     @property
+    def mean_stored_per_layer(self) -> list[float]:
+        """Entries per (sequence, kv_head) row of each layer, on average (= `stored_per_layer` when dense)."""
+        return [sum(map(sum, rows)) / max(1, sum(map(len, rows))) for rows in self.lengths_per_layer]
+
+    @property
     def compression_ratio(self) -> float:
         """Achieved fraction of KV bytes removed (0 = full cache)."""
         return 0.0 if self.bytes_full == 0 else 1.0 - self.bytes_stored / self.bytes_full
@@ -586,6 +616,9 @@ class TrimCache(Cache):
             super().__init__(layer_class_to_replicate=DynamicLayer)  # only used for its bookkeeping
         self._step_key: tuple[int, int] | None = None
         self._step_positions: torch.Tensor | None = None
+        #: True once kvtrim's attention function ran on this cache (or the caller knows the model runs it:
+        #: `kvtrim.prefill` / `kvtrim.compress`); a layer only turns ragged then (stock attention cannot mask it)
+        self.kvtrim_attention = False
         self._declared: tuple[Phase, bool] | None = None
 
     # ---- phases ------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     seen: set[str] = set()
     for cls in METHODS.values():
         for f in method_params(cls):
-            if f.name in seen:
+            if f.name in seen or f.name == getattr(cls, "wraps", None):  # a wrapper's method: in the spec
                 continue
             seen.add(f.name)
             kind = param_type(cls, f.name)
@@ -72,7 +72,7 @@ def method_from_args(args: argparse.Namespace):
 
     spec = parse_method_spec(args.method)
     flags = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
-    known = {f.name for f in method_params(spec.cls)}
+    known = spec.known_params
     unknown = sorted(set(flags) - known)
     if unknown:
         raise KvtrimError(
@@ -161,7 +161,9 @@ def check_positive(value: int, flag: str) -> None:
 
 
 def _param_default(f):
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
 
 
 def cmd_methods(args) -> int:

@@ -117,6 +117,7 @@ class CompressedContext:
               f"{type(method).__name__} needs the context's queries: compress with record_queries=True "
               "on a model running kvtrim attention")
         cache = TrimCache(method, config=self.model.config)
+        cache.kvtrim_attention = is_enabled(self.model)
         with cache.phase(Phase.PREFILL, ends_prompt=True):
             for idx, source in enumerate(self.cache.layers):
                 if not isinstance(source, TrimLayer):  # sliding-window layers: method-independent, copy them

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtrim.attention import is_enabled
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import KvtrimError, Phase, check
 from kvtrim.methods.lagkv import LagKV
@@ -62,7 +63,8 @@ def _chunk_sizes(n: int, chunk_size: int | None, chunk_sizes: Sequence[int] | No
 
 def _check_equal_lengths(cache: TrimCache) -> None:
     """transformers builds one causal mask per forward, sized from the first full-attention layer: a
-    multi-token forward is only right when every evicting layer stores the same number of entries."""
+    multi-token forward under stock attention is only right when every evicting layer stores the same
+    number of entries (kvtrim's attention refits the mask per layer, and attends ragged layers itself)."""
     stored = {layer.stored for layer in cache.layers if isinstance(layer, TrimLayer) and layer.is_initialized}
     if len(stored) > 1:
         raise KvtrimError(
@@ -114,11 +116,12 @@ def prefill(
         f"{start} cached plus {input_ids.shape[-1]} new tokens exceed the model's context of {limit} tokens",
     )
     input_ids = input_ids.to(model.device)
+    cache.kvtrim_attention = cache.kvtrim_attention or is_enabled(model)
     b = input_ids.shape[0]
     phase = Phase.APPEND if cache.prompt_ended else Phase.PREFILL
     offset = 0
     for i, size in enumerate(sizes):
-        if size > 1:
+        if size > 1 and not is_enabled(model):
             _check_equal_lengths(cache)
         block = input_ids[:, offset : offset + size]
         pos = cache.get_seq_length()

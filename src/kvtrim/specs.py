@@ -5,6 +5,8 @@
     lagkv:skip_layers=0+1          a list: items joined by `+` (`,` separates specs in a list of specs)
     keydiff:budget=1024            a spec that fixes its own size is built as given
     streaming:budget={budget}      placeholders {budget} / {ratio}, filled per run by sweeps
+    adakv:method=snapkv:window=16  a wrapper (`cls.wraps`): `method=` names the wrapped method; the other
+                                   parameters are the wrapper's own (alpha_safeguard) or the wrapped one's
 
 Values are read by the parameter's declared type (int, float, str, bool: true/false, list of ints).
 `kvtrim generate --method`, `kvtrim eval --methods` and `kvtrim bench --methods` all use this parser.
@@ -61,12 +63,44 @@ class MethodSpec:
         return METHODS[self.name]
 
     @property
+    def wraps(self) -> str | None:
+        """The parameter naming the wrapped method, for a wrapper such as AdaKV; else None."""
+        return getattr(self.cls, "wraps", None)
+
+    @property
+    def known_params(self) -> set[str]:
+        """Parameter names this spec accepts (a wrapper's own and its wrapped method's)."""
+        own = {f.name for f in method_params(self.cls)}
+        if not self.wraps:
+            return own
+        inner = dict(self.params).get(self.wraps)
+        return (own - {self.wraps}) | ({f.name for f in method_params(METHODS[inner])} if inner in METHODS else set())
+
+    def _parts(self) -> tuple[dict, MethodSpec]:
+        """A wrapper's own parameters and the spec of its wrapped method."""
+        own_names = {f.name for f in method_params(self.cls)} - {self.wraps}
+        params = dict(self.params)
+        inner = params.pop(self.wraps)
+        own = {k: v for k, v in params.items() if k in own_names}
+        check(not any(isinstance(v, str) and any(p in v for p in PLACEHOLDERS) for v in own.values()),
+              f"{self.text}: placeholders go to the wrapped method's parameters")
+        return own, MethodSpec(self.text, inner, tuple((k, v) for k, v in params.items() if k not in own_names))
+
+    def _wrap(self, method: EvictionMethod, own: dict) -> EvictionMethod:
+        try:
+            return self.cls(method, **own)
+        except KvtrimError as err:
+            raise KvtrimError(f"{self.text}: {err}") from None
+
+    @property
     def is_full(self) -> bool:
         return self.name == FullCache.name
 
     @property
     def fixes_size(self) -> bool:
         """True when the spec gives one of the method's size parameters (it is then built as given)."""
+        if self.wraps:
+            return self._parts()[1].fixes_size
         return any(k in self.cls.size_params for k, _ in self.params)
 
     @property
@@ -94,10 +128,23 @@ class MethodSpec:
         With `budget` (`kvtrim eval --budgets`) instead of a ratio: that many entries, whatever the
         context's length, always in the at-budget form (`sizing` does not apply); a `{ratio}` placeholder
         becomes the prompt's share it removes, `max(0, 1 - budget / context_length)`.
+        A wrapper (AdaKV) wraps its method built by these rules, except that a sweep sizes it with
+        `budget=` (the scoring form a wrapper shares), not with the method's own `at_budget` form (LagKV's
+        is its reference mode, which has no budget to share).
         Raises `KvtrimError` when the method cannot be configured so.
         """
         if self.is_full:
             return FullCache()
+        if self.wraps:
+            own, inner = self._parts()
+            plain = (context_length is None or inner.fixes_size or inner.has_placeholders
+                     or (budget is None and sizing == "ratio" and "compression_ratio" in inner.cls.size_params))
+            if plain:
+                return self._wrap(inner.build(context_length, compression_ratio, sizing, budget=budget), own)
+            check("budget" in inner.cls.size_params, f"{self.text}: {inner.name} has no budget= to share")
+            if budget is None:
+                budget = kept_count(context_length, compression_ratio)
+            return self._wrap(inner._construct({**dict(inner.params), "budget": budget}), own)
         params = dict(self.params)
         if context_length is None:
             check(not self.has_placeholders, f"{self.text}: placeholders need a sweep (kvtrim eval / bench)")
@@ -125,6 +172,8 @@ class MethodSpec:
         """Refuse a model this spec's method cannot run on (e.g. LagKV skip_layers beyond its layers),
         from the model's config, before any weights load."""
         method = None if self.is_full else self._neutral()
+        if self.wraps and method is not None:
+            method = method.method
         if method is not None:
             method.check_config(config)
 
@@ -137,6 +186,10 @@ class MethodSpec:
 
     def _neutral(self) -> EvictionMethod | None:
         """The method with its own size, or a neutral one (None when only placeholders can size it)."""
+        if self.wraps:
+            own, inner = self._parts()
+            method = inner._neutral()
+            return None if method is None else self._wrap(method, own)
         params = {k: v for k, v in self.params if not (isinstance(v, str) and any(p in v for p in PLACEHOLDERS))}
         if not self.fixes_size and not self.has_placeholders:
             if "budget" in self.cls.size_params:
@@ -181,17 +234,30 @@ def parse_method_spec(text: str) -> MethodSpec:
     name, *items = (part.strip() for part in text.split(":"))
     check(name in METHODS, f"unknown method '{name}' in '{text}'; known methods: {', '.join(METHODS)}")
     cls = METHODS[name]
-    known = {f.name for f in method_params(cls)}
-    params: dict[str, Any] = {}
+    pairs = []
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         check(bool(sep) and bool(key), f"'{text}': expected param=value after ':', got '{item}'")
+        pairs.append((key, value.strip()))
+    known = {f.name: cls for f in method_params(cls)}
+    wraps = getattr(cls, "wraps", None)
+    if wraps:  # `method=NAME`: the wrapped method's parameters are known too, read by its types
+        inner = dict(pairs).get(wraps)
+        check(inner is not None, f"'{text}': {name} wraps a method: give {wraps}=NAME (e.g. {name}:{wraps}=snapkv)")
+        check(inner in METHODS, f"'{text}': unknown method '{inner}' to wrap; known methods: {', '.join(METHODS)}")
+        check(not getattr(METHODS[inner], "wraps", None), f"'{text}': {name} cannot wrap another wrapper ({inner})")
+        known = {**{f.name: METHODS[inner] for f in method_params(METHODS[inner])}, **known}
+    params: dict[str, Any] = {}
+    for key, value in pairs:
         check(key in known, f"'{text}': method '{name}' has no parameter '{key}'; its parameters: "
                             f"{', '.join(sorted(known)) or 'none'}")
         check(key not in params, f"'{text}': parameter '{key}' given twice")
-        value = value.strip()
-        params[key] = value if any(p in value for p in PLACEHOLDERS) else _read(param_type(cls, key), value, f"'{text}'")
+        if key == wraps:
+            params[key] = value
+            continue
+        kind = param_type(known[key], key)
+        params[key] = value if any(p in value for p in PLACEHOLDERS) else _read(kind, value, f"'{text}'")
     spec = MethodSpec(text, name, tuple(params.items()))
     spec.validate()
     return spec

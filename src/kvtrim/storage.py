@@ -30,14 +30,16 @@ move every later row to append one entry to a row; the slot pool appends in O(ne
 slots is bookkeeping: 4 bytes of slot id + 8 bytes of position per entry (vs 256 bytes of K+V per entry for
 head_dim 64 in bf16), reported by `bookkeeping_bytes()` and not counted in the KV bound.
 
-Integration with `TrimLayer` / `TrimCache` (plan; `cache.py` does not use this module yet):
+Integration with `TrimLayer` / `TrimCache`. Done (`kvtrim.cache`): two representations per layer;
+`TrimLayer` keeps today's dense tensors while every row holds the same number of entries, and switches
+that layer alone to `RaggedKV.from_dense(keys, values, positions, valid=kept)` when a method keeps
+unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
+formula with its longest row, dense layers refit the shared mask (`kvtrim.attention.fit_mask`) and
+ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step's padded view). A
+missing kvtrim attention is caught by the "unanswered layer" check. Methods see the padded view
+(`LayerView.valid`). The rest below is still a plan (padded batches; scoring ragged layers again):
 
-* Two representations per layer. While every row holds the same number of entries and no step was
-  padded, `TrimLayer` keeps today's dense tensors (no gather, bit-identical to `DynamicCache`). The cache
-  switches all its evicting layers to `RaggedKV.from_dense(keys, values, positions)` together (so the mask
-  sizes below agree across layers) at the first padded step, or when a method returns per-row keeps of
-  unequal sizes (AdaKV). Ragged layers need kvtrim's attention function (the existing "unanswered
-  layer" check catches a stock one). `as_dense()` is a zero-copy view when rows are equal and packed.
+* `as_dense()` is a zero-copy view when rows are equal and packed (unused: a layer stays ragged).
 * Masks. transformers builds one mask per forward from the first full-attention layer's
   `get_mask_sizes(q)`. A ragged layer returns `(q, seen)`: the model then builds only the `(b, 1, q, q)`
   block of this step's tokens (or None), and `kv_offset + kv_length = seen + q` keeps the 2D padding

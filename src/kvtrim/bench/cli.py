@@ -13,7 +13,7 @@ from kvtrim.methods import METHODS
 from kvtrim.methods.base import KvtrimError, check
 from kvtrim.ray_cluster import add_ray_arguments, ray_options
 
-DEFAULT_METHODS = ",".join(METHODS)
+DEFAULT_METHODS = ",".join(name for name, cls in METHODS.items() if not getattr(cls, "wraps", None))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -170,6 +170,8 @@ def scoring_passes(method: EvictionMethod, ids: torch.Tensor, tokenizer) -> list
 
 
 def _layer_entry_bytes(layer) -> int:
+    if isinstance(layer, TrimLayer):
+        return layer.entry_bytes()
     if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
         return 0
     b, h, _, d = layer.keys.shape
@@ -189,9 +191,16 @@ def kv_peak_layer_sum(cache: TrimCache) -> int:
 
 def stored_shapes(cache: TrimCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Layer index -> empty-storage stand-ins (`(b, h, n, d)` meta tensors) of the keys and values each
-    layer of `cache` holds now: enough to rebuild a cache of the same size later."""
-    return {idx: (layer.keys.to("meta"), layer.values.to("meta")) for idx, layer in enumerate(cache.layers)
-            if getattr(layer, "is_initialized", False) and layer.keys is not None}
+    layer of `cache` holds now: enough to rebuild a cache of the same size later (a ragged layer: a dense
+    one of its mean row length, `TrimLayer.dense_shape`)."""
+    out = {}
+    for idx, layer in enumerate(cache.layers):
+        if isinstance(layer, TrimLayer) and layer.is_ragged:
+            meta = torch.empty(layer.dense_shape(), dtype=layer.storage.dtype, device="meta")
+            out[idx] = (meta, meta)
+        elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+            out[idx] = (layer.keys.to("meta"), layer.values.to("meta"))
+    return out
 
 
 def same_size_full_cache(model, shapes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> TrimCache:
@@ -291,7 +300,7 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         stored_bytes_end=stats_end.bytes_stored,
         full_bytes_end=stats_end.bytes_full,
         bookkeeping_bytes_end=stats_end.bytes_bookkeeping,
-        stored_per_layer_prefill=[min(stats_prefill.stored_per_layer), max(stats_prefill.stored_per_layer)],
+        stored_per_layer_prefill=[min(stats_prefill.mean_stored_per_layer), max(stats_prefill.mean_stored_per_layer)],
         peak_per_layer=[min(stats_end.peak_per_layer), max(stats_end.peak_per_layer)],
         kv_peak_layer_sum_bytes=kv_peak_layer_sum(cache),
         kv_live_peak_bytes=timer.live_peak_bytes,

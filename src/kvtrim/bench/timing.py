@@ -100,16 +100,16 @@ class EvictionTimer:
         """Keep the running count of entries held by all layers (outside the timed region)."""
 
         def wrapper(keep):
-            entries = layer.stored
-            per_entry = _entry_bytes(layer)
+            held = layer.ideal_bytes()  # the entries held (ragged layers: the sum of their rows)
             before = self._held.get(id(layer), 0)
-            self._held_total += (entries - before) * per_entry
+            self._held_total += held - before
             self.live_peak_bytes = max(self.live_peak_bytes, self._held_total)
             evict(keep)
             if keep is not None:
                 self.evictions[self.phase] += 1
-            self._held_total += (layer.stored - entries) * per_entry
-            self._held[id(layer)] = layer.stored
+            after = layer.ideal_bytes()
+            self._held_total += after - held
+            self._held[id(layer)] = after
             return None
 
         return wrapper
@@ -140,11 +140,3 @@ class EvictionTimer:
                 total += value
             out[f"{phase}_evict_s"] = total
         return out
-
-
-def _entry_bytes(layer: TrimLayer) -> int:
-    """Bytes of one entry (one token of every KV head: its key and value) of `layer`."""
-    if layer.keys is None or layer.keys.numel() == 0:
-        return 0
-    b, h, _, d = layer.keys.shape
-    return b * h * (d * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size())

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="registry name, local model dir or hub id (default: smollm2-135m)")
     p.add_argument("--methods", type=names,
                    help="comma-separated method specs NAME[:param=value...] (default: all registered: "
-                        f"{', '.join(METHODS)}); placeholders {{ratio}} / {{budget}} allowed")
+                        f"{', '.join(n for n, c in METHODS.items() if not getattr(c, 'wraps', None))}; wrappers "
+                        "need their method: adakv:method=snapkv); placeholders {ratio} / {budget} allowed")
     p.add_argument("--compression-ratios", dest="ratios", type=floats,
                    help=f"compression ratios in [0, 1) (default: {','.join(map(str, DEFAULT_RATIOS))})")
     p.add_argument("--budgets", type=lengths,
@@ -96,7 +97,8 @@ def _resolve(args) -> dict:
     else:
         extra = preset.get("method_params", {})
         skip = set(preset.get("exclude", []))
-        cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS if name not in skip]
+        cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS
+                          if name not in skip and not getattr(METHODS[name], "wraps", None)]  # wrappers need method=
     if cfg["tasks"] is None and not args.task_file:
         cfg["tasks"] = ["niah_single_1", "niah_single_2", "vt", "passkey"]
     cfg["out"] = args.out or os.path.join("runs", "eval", args.preset or "custom")

@@ -214,7 +214,7 @@ class Runner:
             peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
             stored_trace=trace,
             kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
-            stored_per_layer_mean=sum(stats.stored_per_layer) / max(1, len(stats.stored_per_layer)),
+            stored_per_layer_mean=sum(stats.mean_stored_per_layer) / max(1, len(stats.mean_stored_per_layer)),
             prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
         )
         return row

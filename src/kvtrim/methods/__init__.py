@@ -15,6 +15,7 @@ from kvtrim.methods.base import (
     kept_count,
     param_type,
 )
+from kvtrim.methods.adakv import AdaKV, adakv_keep
 from kvtrim.methods.full import FullCache
 from kvtrim.methods.h2o import H2O
 from kvtrim.methods.keydiff import KeyDiff
@@ -48,7 +49,7 @@ def register_method(cls: type[EvictionMethod], replace: bool = False) -> type[Ev
     return cls
 
 
-for _cls in (FullCache, LagKV, StreamingLLM, KeyDiff, SnapKV, H2O, TOVA, LazyEviction, KNorm, KVzip):
+for _cls in (FullCache, LagKV, StreamingLLM, KeyDiff, SnapKV, H2O, TOVA, LazyEviction, KNorm, KVzip, AdaKV):
     register_method(_cls)
 
 
@@ -69,7 +70,7 @@ def make_method(name: str, **params) -> EvictionMethod:
 
 
 __all__ = [
-    "TOVA", "SnapKV", "LazyEviction", "H2O", "KNorm", "KVzip", "METHODS", "EvictionMethod", "ScoringMethod", "LayerView",
+    "AdaKV", "adakv_keep", "TOVA", "SnapKV", "LazyEviction", "H2O", "KNorm", "KVzip", "METHODS", "EvictionMethod", "ScoringMethod", "LayerView",
     "Phase", "Schedule", "FullCache", "KeyDiff", "KvtrimError", "LagKV", "StreamingLLM", "kept_count",
     "lagkv_keep_ratio_for", "lagkv_stored_length", "make_method", "method_params", "param_type", "register_method",
 ]

@@ -299,6 +299,10 @@ class EvictionMethod:
         """How many of the prompt's last queries `on_prompt_end` needs (kept until the prompt ends)."""
         return 0
 
+    def evicts_layer(self, layer_idx: int) -> bool:
+        """False for layers this method leaves uncompressed (LagKV's `skip_layers`); wrappers ask it."""
+        return True
+
     @classmethod
     def at_budget(cls, budget: int, context_length: int, **params) -> EvictionMethod:
         """This method configured to hold about `budget` entries per KV head and layer once a prompt of
@@ -346,6 +350,10 @@ class ScoringMethod(EvictionMethod):
     compression_ratio: float | None = None
 
     size_params: ClassVar[tuple[str, ...]] = ("budget", "compression_ratio")
+    #: why scores cannot be compared across KV heads, when they cannot (TOVA: one set shared by all heads;
+    #: LagKV's global mode: per-partition ranks, the same in every head); head-wise allocation (AdaKV)
+    #: refuses such methods with this reason. None: comparable.
+    headwise_refusal: ClassVar[str | None] = None
 
     def __post_init__(self):
         super().__post_init__()

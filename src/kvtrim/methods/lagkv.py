@@ -220,6 +220,8 @@ class LagKV(ScoringMethod):
     name = "lagkv"
     summary = "lag-relative K/V statistics per partition; attention-free (LagKV)"
     size_params = ("keep_ratio", "budget", "compression_ratio")
+    headwise_refusal = ("its global scores are per-partition ranks, the same in every head "
+                        "(a top-k across heads allocates uniformly)")
 
     sink_size: int = 16
     lag_size: int = 128
@@ -267,6 +269,9 @@ class LagKV(ScoringMethod):
         layers = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
         beyond = [i for i in self.skip_layers if layers is not None and i >= layers]
         check(not beyond, f"skip_layers {beyond} beyond the model's {layers} layers (0..{layers - 1 if layers else 0})")
+
+    def evicts_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.skip_layers
 
     @property
     def mode(self) -> str:

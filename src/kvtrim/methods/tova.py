@@ -51,6 +51,7 @@ class TOVA(ScoringMethod):
     summary = "current query's attention averaged over heads, one set per layer, step-wise (TOVA); needs kvtrim attention"
     needs_queries = True
     needs_attention = True
+    headwise_refusal = "it scores one set of entries shared by all heads (nothing to allocate)"
 
     def schedule(self):
         # every forward over budget (a ratio fixes the budget when the prompt ends)
