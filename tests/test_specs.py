@@ -106,3 +106,11 @@ def test_layer_indices_beyond_the_model_are_refused_before_weights(tmp_path, cap
     model = tiny_model("llama")
     with pytest.raises(kvtrim.KvtrimError, match="beyond the model's 2 layers"):
         kvtrim.TrimCache(kvtrim.LagKV(skip_layers=(5,)), config=model.config)
+
+
+def test_wrapper_spec_takes_a_sweep_budget():
+    """An `eval --budgets` cell sizes a wrapper's method with that budget (not a ratio's kept count), and a
+    ratio cell with the ratio's kept count."""
+    spec = parse_method_spec("adakv:method=snapkv")
+    assert spec.build(1000, budget=128).method.budget == 128
+    assert spec.build(1000, 0.75).method.budget == kept_count(1000, 0.75)
