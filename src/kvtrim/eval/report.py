@@ -21,6 +21,8 @@ SYNTHETIC_NOTE = (
     "The haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
     "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers."
 )
+REAL_TEXT_NOTE = ("pydoc_needle's haystack is real prose: the Python language reference shipped with Python "
+                  "(`pydoc_data`), with one planted fact.")
 
 
 def _key_order(rows: list[dict]) -> tuple[list[str], list[str], list[int]]:
@@ -417,9 +419,14 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
            "entries a layer held during a decode forward (max over samples); reasoning tasks score the boxed "
            "answer exactly, (steps) = fraction of step values right." if any(r["budget"] is not None for r in summary)
            else ""),
-        "",
-        SYNTHETIC_NOTE,
     ]
+    from kvtrim.eval.tasks import REAL_TEXT_TASKS
+
+    tasks = {r.get("task") for r in rows}
+    if tasks - set(REAL_TEXT_TASKS):
+        md += ["", SYNTHETIC_NOTE]
+    if tasks & set(REAL_TEXT_TASKS):
+        md += ["", REAL_TEXT_NOTE]
     if figures:
         md += ["", *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in figures]]
     files["markdown"] = os.path.join(out_dir, "summary.md")
