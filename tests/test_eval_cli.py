@@ -95,6 +95,10 @@ def test_budgets_alone_replace_the_default_ratios():
     both = _resolve(parser.parse_args(["eval", "--budgets", "256", "--compression-ratios", "0.5"]))
     assert both["budgets"] == [256] and both["ratios"] == [0.5]
     assert _resolve(parser.parse_args(["eval"]))["budgets"] == []
+    reasoning = _resolve(parser.parse_args(["eval", "--preset", "reasoning"]))
+    assert reasoning["ratios"] == [] and len(reasoning["budgets"]) == 2 and reasoning["tasks"] == ["list_recall"]
+    assert reasoning["methods"][0] == "full" and sum(m.startswith("lazyeviction") for m in reasoning["methods"]) == 2
+    assert _resolve(parser.parse_args(["eval", "--preset", "reasoning-gpu"]))["budgets"] == [128, 256, 512, 1024]
 
 
 def test_lengths_accept_k_suffix():

@@ -65,6 +65,21 @@ def test_sweep_sizing_uses_one_rounding_rule():
         parse_method_specs("keydiff:block_size=8,keydiff:block-size=8")
 
 
+def test_sweep_sizing_by_an_absolute_budget():
+    """`--budgets`: the budget whatever the length, always at-budget; `{ratio}` = the prompt's share removed."""
+    assert parse_method_spec("keydiff").build(1000, None, budget=128).budget == 128
+    assert parse_method_spec("keydiff").build(1000, None, "ratio", budget=128).budget == 128  # no ratio form here
+    assert parse_method_spec("h2o").build(100, None, budget=128).budget == 128  # more than the prompt: kept whole
+    assert parse_method_spec("lazyeviction:window=9").build(1000, None, budget=384).budget == 384
+    assert parse_method_spec("lagkv:compression_ratio={ratio}").build(1000, None, budget=250).compression_ratio == 0.75
+    lag = parse_method_spec("lagkv:lag_size=64").build(445, None, budget=384)
+    assert lag.keep_ratio == kvtrim.LagKV.at_budget(384, 445, lag_size=64).keep_ratio
+    with pytest.raises(kvtrim.KvtrimError, match="a compression ratio or a budget"):
+        parse_method_spec("keydiff").build(1000, 0.5, budget=128)
+    with pytest.raises(kvtrim.KvtrimError, match="must exceed window"):
+        parse_method_spec("lazyeviction").build(1000, None, budget=128)  # window 128: the cell is skipped
+
+
 def test_every_command_takes_the_same_spec(tmp_path, capsys):
     # generate: the spec, plus per-parameter flags as sugar (a parameter given both ways is refused)
     assert main(["generate", "--method", "lagkv:lag_size=0", "--prompt", "x"]) == 2

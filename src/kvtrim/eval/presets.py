@@ -15,11 +15,27 @@
   ruler-16k). For a GPU: `--device cuda --dtype bfloat16`. Samples per task: 50 (4k) / 25 (16k), i.e.
   ~8-16k (method, ratio, sample) rows, a few GPU hours with a 0.5B model; kvpress and the paper use 500
   (`--samples 500`). Interrupted runs resume.
+* `reasoning`: decode-time eviction on a long answer that refers back (CPU, 2 cores): qwen2.5-coder-0.5b
+  (the one offline model that solves a reasoning task with the full cache) on `list_recall` at 768 tokens
+  (≈ 445 prompt + ≈ 240 answer tokens), at two absolute budgets below the prompt's length, so that every
+  method evicts while the answer grows: full, LazyEviction with the window measured by the paper's rule
+  (`benchmarks/reasoning/window.py`) and with its default window (128), H2O, TOVA, StreamingLLM, LagKV
+  (reference mode: compresses every lag_size decoded tokens) and KeyDiff (budget mode: evicts every
+  block_size decoded tokens). Sized by measurement, see benchmarks/reasoning/preset.
+* `reasoning-gpu`: the same comparison at 4 budgets (128 .. 1024), on `list_recall` at 1k and 2k tokens
+  and the trace tasks, 20 samples per cell; on a GPU (`--device cuda --dtype bfloat16`).
 """
 
 from __future__ import annotations
 
 from kvtrim.eval.ruler import RULER_TASKS
+
+#: LazyEviction's window for the reasoning presets: the paper's rule (80th percentile of the MRI) measured
+#: on qwen2.5-coder-0.5b / list_recall at 768 tokens (benchmarks/reasoning/window.json)
+REASONING_WINDOW = 9
+#: the methods of the reasoning presets; LazyEviction twice: the measured window and the class default
+REASONING_METHODS = ["full", f"lazyeviction:window={REASONING_WINDOW}", "lazyeviction", "h2o", "tova", "streaming",
+                     "lagkv:lag_size=64", "keydiff"]
 
 PRESETS: dict[str, dict] = {
     "quick": {
@@ -60,5 +76,27 @@ PRESETS: dict[str, dict] = {
         "methods": None,
         "method_params": {"lagkv": "lag_size=128:sink_size=4"},
         "compression": "ratio",
+    },
+    "reasoning": {
+        "model": "qwen2.5-coder-0.5b",
+        "tasks": ["list_recall"],
+        "lengths": [768],
+        "samples": 2,
+        "ratios": [],
+        # 384 first: plan runs every method at one budget before the next, so an interrupted run has the
+        # budget where methods differ complete; both are below the ≈ 445-token prompt
+        "budgets": [384, 192],
+        "methods": REASONING_METHODS,
+        "compression": "at-budget",
+    },
+    "reasoning-gpu": {
+        "model": "qwen2.5-coder-0.5b",
+        "tasks": ["list_recall", "program_trace", "var_trace", "arith_recall", "chain_trace"],
+        "lengths": [1024, 2048],
+        "samples": 20,
+        "ratios": [],
+        "budgets": [128, 256, 512, 1024],
+        "methods": REASONING_METHODS,
+        "compression": "at-budget",
     },
 }
