@@ -546,11 +546,12 @@ class CacheStats:
         return d
 
     def summary(self) -> str:
-        stored = self.stored_per_layer
+        ragged = bool(self.ragged_layers)  # rows differ: the mean row of each layer
+        stored = [round(x) for x in self.mean_stored_per_layer] if ragged else self.stored_per_layer
         lo, hi = (min(stored), max(stored)) if stored else (0, 0)
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
         return (
-            f"tokens seen {self.tokens_seen}, stored {span} per layer, "
+            f"tokens seen {self.tokens_seen}, stored {span} per {'head (mean) and ' if ragged else ''}layer, "
             f"KV bytes {self.bytes_stored / 2**20:.2f} MiB of {self.bytes_full / 2**20:.2f} MiB full "
             f"(compression ratio {self.compression_ratio:.3f}, allocated {self.bytes_allocated / 2**20:.2f} MiB, "
             f"{len(self.ragged_layers)} ragged layers, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"
