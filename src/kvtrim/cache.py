@@ -316,8 +316,8 @@ class TrimLayer(DynamicLayer):
     def take_ragged_step(self) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor] | None:
         """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q))` of this
         ragged step (the storage when it still ends with the step's entries: a varlen kernel may read it),
-        or None for a dense layer. Clears the step (the view is transient)."""
-        step, self._ragged_step = self._ragged_step, None
+        or None for a dense layer. The step is cleared by `after_attention` (the method's view reuses it)."""
+        step = self._ragged_step
         if step is None:
             return None
         view, query_positions, intact = step
@@ -337,12 +337,20 @@ class TrimLayer(DynamicLayer):
         probabilities of a single-token step (methods with `needs_attention`), else None; `scaling`: the
         softmax scale the layer used."""
         self._awaiting_attention = False
-        self._ragged_step = None
         if _pending() is self:
             _PENDING_LAYER.set(None)
         self.attn_scaling = scaling
+        step, self._ragged_step = self._ragged_step, None
         if not self.method.waits_for_attention:  # a ragged layer's hand-off: the method decided in update
             return
+        if step is not None and step[2]:  # nothing evicted since the append: the step's view is current
+            self._ragged_step = step
+        try:
+            self._after_attention(queries, attention)
+        finally:
+            self._ragged_step = None
+
+    def _after_attention(self, queries: torch.Tensor | None, attention: torch.Tensor | None) -> None:
         phase, ends, _, _ = self._forward
         if phase is Phase.SCORE:  # the pass only informs the method's state; its entries go
             keep = self.method.on_attention(self.view(queries=queries, attention=attention))
@@ -546,11 +554,12 @@ class CacheStats:
         return d
 
     def summary(self) -> str:
-        stored = self.stored_per_layer
+        ragged = bool(self.ragged_layers)  # rows differ: the mean row of each layer
+        stored = [round(x) for x in self.mean_stored_per_layer] if ragged else self.stored_per_layer
         lo, hi = (min(stored), max(stored)) if stored else (0, 0)
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
         return (
-            f"tokens seen {self.tokens_seen}, stored {span} per layer, "
+            f"tokens seen {self.tokens_seen}, stored {span} per {'head (mean) and ' if ragged else ''}layer, "
             f"KV bytes {self.bytes_stored / 2**20:.2f} MiB of {self.bytes_full / 2**20:.2f} MiB full "
             f"(compression ratio {self.compression_ratio:.3f}, allocated {self.bytes_allocated / 2**20:.2f} MiB, "
             f"{len(self.ragged_layers)} ragged layers, bookkeeping {self.bytes_bookkeeping / 2**10:.1f} KiB)"

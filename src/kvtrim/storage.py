@@ -35,37 +35,28 @@ Integration with `TrimLayer` / `TrimCache`. Done (`kvtrim.cache`): two represent
 that layer alone to `RaggedKV.from_dense(keys, values, positions, valid=kept)` when a method keeps
 unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
 formula with its longest row, dense layers refit the shared mask (`kvtrim.attention.fit_mask`) and
-ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step's padded view). A
-missing kvtrim attention is caught by the "unanswered layer" check. Methods see the padded view
-(`LayerView.valid`). The rest below is still a plan (padded batches; scoring ragged layers again):
+ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step's padded view). A layer
+only turns ragged on a cache kvtrim's attention has run on. Attend, then evict: the step's padded view is
+taken before any eviction decided in `update`, and the flash path reads the storage only while it still
+ends with the step's entries. Methods see the padded view (`LayerView.valid`). AdaKV (`kvtrim.methods.adakv`)
+decides once, on a dense layer, with a keep mask. Still a plan:
 
+* Padded batches. Masks: a ragged layer could return `(q, seen)` from `get_mask_sizes(q)`: the model
+  then builds only the `(b, 1, q, q)` block of this step's tokens (or None), and `kv_offset + kv_length =
+  seen + q` keeps the 2D padding mask's columns aligned with this step's tokens
+  (`tests/test_ragged_mask_sizes.py`); the step's per-sequence validity `(b, q)` recorded by kvtrim's mask
+  builder (registered through `AttentionMaskInterface`: the stock builder plus a record of the 2D mask's
+  last q columns) so that `TrimCache.update`, which runs after the mask is built and before attention,
+  stores only valid entries (`append(..., valid=...)`). Left padding gives per-sequence `position_ids`
+  (cumsum of the attention mask, which `update` already receives); `seen` stays the global token count
+  (what `get_seq_length` and `cache_position` use) and the layer also counts valid tokens per sequence
+  for budgets.
+* Scoring ragged layers again: the scoring base sets invalid scores to -inf, computes kept counts per
+  sequence from that sequence's own token count, and returns a keep mask; per-entry state aligned with
+  the view (H2O's scores, LazyEviction's TS/MRI) follows with `compact(state, mask)`, the rule the slot
+  table uses. Scorers must then respect `view.valid` (softmaxes and means over the padded view include
+  filler entries today).
 * `as_dense()` is a zero-copy view when rows are equal and packed (unused: a layer stays ragged).
-* Masks. transformers builds one mask per forward from the first full-attention layer's
-  `get_mask_sizes(q)`. A ragged layer returns `(q, seen)`: the model then builds only the `(b, 1, q, q)`
-  block of this step's tokens (or None), and `kv_offset + kv_length = seen + q` keeps the 2D padding
-  mask's columns aligned with this step's tokens. kvtrim's attention function (registered through
-  `AttentionInterface`) ignores that mask for a ragged layer and calls `ragged_attention(query,
-  layer.storage, positions, valid)` instead; the step's per-sequence validity `(b, q)` is recorded by
-  kvtrim's mask builder (registered through `AttentionMaskInterface` for "kvtrim_sdpa"/"kvtrim_eager":
-  the stock builder plus a record of the 2D mask's last q columns) so that `TrimCache.update`, which runs
-  after the mask is built and before attention, stores only valid entries (`append(..., valid=...)`).
-* Attend, then evict. `update` appends; attention reads the storage; every eviction of a ragged layer
-  (also what `on_update` decides today inside `update`) runs in `after_attention`, so this step's tokens
-  are the last entries of their rows while attention runs (what the flash varlen path relies on).
-* Methods score on `padded()`: keys/values `(b, h, W, d)`, positions `(b, h, W)`, `valid` `(b, h, W)`
-  (transient, freed after the step; the probability path takes the same view, so it is built once).
-  The scoring base sets invalid scores to -inf, computes kept counts per sequence from that sequence's
-  own token count (budget and `compression_ratio` per sequence), and returns kept indices `(b, h, k)`
-  with -1 for rows keeping fewer, or a keep mask; `evict(keep)` takes both (uniform `(b, h, k)` indices,
-  today's contract, take a gather-only path). Per-entry state aligned with the view (H2O's scores,
-  LazyEviction's TS/MRI) follows with `compact(state, mask)`, the rule the slot table uses.
-* AdaKV on top: per sequence, the layer's total budget `kv_heads * budget` is allocated by one top-k over
-  the flattened `(kv_heads * W)` scores (invalid entries -inf), after reserving each head its own top
-  `alpha_safeguard * budget` entries; the result is a keep mask whose counts differ per head.
-* Padded batches through stock `generate`: left padding gives per-sequence `position_ids` (cumsum of the
-  attention mask, which `update` already receives); pads are never stored; `seen` stays the global
-  token count (what `get_seq_length` and `cache_position` use) and the layer also counts valid tokens
-  per sequence for budgets. Beam search / `batch_select_indices` map to `select_batch`.
 """
 
 from __future__ import annotations
