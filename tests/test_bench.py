@@ -537,3 +537,21 @@ def test_cli_with_a_named_model_and_threads(tmp_path, monkeypatch):
     assert rc == 0
     result = read_json(tmp_path / "b" / "bench.json")
     assert validate_result(result) == [] and [r["method"] for r in result["summary"]] == ["full", "streaming"]
+
+
+@pytest.mark.integration
+def test_kvzip_cell_on_smollm2_runs_its_passes(smollm):
+    """KVzip through the benchmark on the real default model: its reconstruction passes run (and are
+    timed apart), and the cache keeps what `kvtrim.compress` keeps for the same prompt."""
+    from kvtrim.compress import compress
+
+    model, tok = smollm
+    cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=2, collect_garbage=False, same_size_decode=False)
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 30, return_tensors="pt").input_ids
+    row, cache = measure_cell(model, parse_spec("kvzip"), ids, cfg, ids.shape[-1], return_cache=True, tokenizer=tok)
+    assert row["status"] == "ok" and row["scoring_passes"] == 1 and row["scoring_s"] > 0
+    ctx = compress(model, ids, parse_spec("kvzip").build(ids.shape[-1], 0.5), tokenizer=tok)
+    n = ids.shape[-1]
+    for mine, theirs in zip(cache.trim_layers(), ctx.cache.trim_layers()):
+        k = theirs.positions.shape[-1]  # the bench cache also holds its decoded tokens, after the prompt's
+        assert torch.equal(mine.positions[..., :k], theirs.positions) and (mine.positions[..., k:] >= n).all()
