@@ -17,6 +17,7 @@ SECTIONS = {
     "passkey-table": "benchmarks/passkey/table.md",
     "eval-table": "benchmarks/eval_quick/README.md",
     "bench-table": "benchmarks/bench/README.md",
+    "reasoning-table": "benchmarks/reasoning/preset/README.md",
 }
 
 
