@@ -555,3 +555,40 @@ def test_kvzip_cell_on_smollm2_runs_its_passes(smollm):
     for mine, theirs in zip(cache.trim_layers(), ctx.cache.trim_layers()):
         k = theirs.positions.shape[-1]  # the bench cache also holds its decoded tokens, after the prompt's
         assert torch.equal(mine.positions[..., :k], theirs.positions) and (mine.positions[..., k:] >= n).all()
+
+
+def test_batch_sizes_measure_one_cache_of_distinct_prompts(tmp_path, capsys):
+    """`--batch-sizes 1,2`: each cell also runs on a batch of two distinct, equal-length prompts in one
+    cache: twice the stored bytes of a uniform method, the first sequence decoding as it does alone, the
+    batch throughput derived from the rows; the main summary stays the batch-1 summary."""
+    from kvtrim.bench.summary import summarize
+    from kvtrim.cli import main
+
+    out = tmp_path / "b"
+    args = ["bench", "--threads", "1", "--model", "arch:tiny-llama", "--methods", "keydiff:block_size=16,streaming",
+            "--lengths", "96", "--compression-ratio", "0.5", "--repeats", "1", "--max-new-tokens", "3",
+            "--trace-length", "0", "--no-warmup", "--no-plots", "--quiet", "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert main(args + ["--batch-sizes", "1,2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = read_json(out / "bench.json")
+    assert validate_result(result) == []
+    cells = {(r["method"], r["batch"]): r for r in result["raw"]}
+    assert sorted(cells) == sorted((m, b) for m in ("full", "keydiff:block_size=16", "streaming") for b in (1, 2))
+    for method in ("full", "keydiff:block_size=16", "streaming"):
+        one, two = cells[method, 1], cells[method, 2]
+        assert two["stored_bytes_prefill"] == 2 * one["stored_bytes_prefill"] > 0
+        assert two["allocated_bytes_end"] == two["stored_bytes_end"]  # dense layers: exactly what is held
+        assert two["first_tokens"] == one["first_tokens"]  # the first sequence decodes as it does alone
+    assert [s["method"] for s in result["summary"]] == [s["method"] for s in summarize(
+        [r for r in result["raw"] if r["batch"] == 1])]
+    by = {(s["method"], s["batch"]): s for s in result["batch_summary"]}
+    two = cells["streaming", 2]
+    assert by["streaming", 2]["batch_decode_tps"] == pytest.approx(2 * two["decode_tokens"] / two["decode_s"])
+    assert by["full", 2]["batch_decode_tps_vs_full"] == 1.0 and by["streaming", 1]["batch_decode_tps_vs_batch1"] == 1.0
+    for bad, message in (("0", "--batch-sizes must be integers >= 1"), ("1,1", "--batch-sizes has duplicates")):
+        assert main(args + ["--batch-sizes", bad, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1

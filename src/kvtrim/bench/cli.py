@@ -30,6 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=lengths, default=[1024, 2048, 4096, 8192],
                    help="prompt lengths in tokens, e.g. 1024,4k, at most the model's context (a length at the "
                         "context runs with room left for --max-new-tokens)")
+    p.add_argument("--batch-sizes", type=lengths, default=[1], metavar="B,B,...",
+                   help="sequences per cell, e.g. 1,4,8: distinct prompts of equal length in one cache (decode "
+                        "throughput of the batch, vs the full cache at that batch and vs batch 1; allocated bytes)")
     p.add_argument("--compression-ratio", type=float, default=0.75,
                    help="fraction of the prompt's entries removed (methods built with at_budget)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded after the prompt (all of them: "
@@ -102,7 +105,7 @@ def cmd_bench(args) -> int:
         new_tokens=args.max_new_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
         warmup=not args.no_warmup, trace_length=args.trace_length, trace_decode=args.trace_decode, seed=args.seed,
         threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
-        same_size_decode=not args.no_same_size_decode,
+        same_size_decode=not args.no_same_size_decode, batch_sizes=args.batch_sizes,
     )
     config.validate()
     check(args.passkey_trials >= 1, f"--passkey-trials must be >= 1, got {args.passkey_trials}")

@@ -80,7 +80,7 @@ def bench_units(config: BenchConfig) -> list[BenchConfig]:
 def merge_results(config: BenchConfig, done: dict[int, dict], stats: dict, wall_s: float) -> dict:
     """The single-process result shape from the units finished so far (`done`: length -> result)."""
     from kvtrim.bench.runner import SCHEMA
-    from kvtrim.bench.summary import summarize
+    from kvtrim.bench.summary import summarize, summarize_batches
 
     parts = [done[length] for length in config.lengths if length in done]
     raw = [row for part in parts for row in part["raw"]]
@@ -98,8 +98,11 @@ def merge_results(config: BenchConfig, done: dict[int, dict], stats: dict, wall_
                                     "wall_s": done[length]["meta"]["wall_s"], "env": done[length]["meta"]["env"]}
                                    for length in config.lengths if length in done]},
     }
-    return {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
-            "trace": trace}
+    out = {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
+           "trace": trace}
+    if config.batch_sizes != [1]:
+        out["batch_summary"] = summarize_batches(raw)
+    return out
 
 
 def _cpu_nodes(ray, cpus: float) -> int:

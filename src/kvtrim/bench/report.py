@@ -169,10 +169,29 @@ def result_section(result: dict, name: str) -> str:
     parts = [f"### {name}", "", f"`{cmd}`" if cmd else "", "", environment_line(result), "",
              bench_table(result), "", "Decode step, against a full cache of the same size, and its eviction work:", "",
              decode_table(result)]
+    if result.get("batch_summary"):
+        parts += ["", "Batches (`--batch-sizes`: distinct prompts of equal length, one cache):", "", batch_table(result)]
     goals = targets(result)
     if goals:
         parts += ["", "Targets:", "", *goals]
     return "\n".join(parts)
+
+
+def batch_table(result: dict) -> str:
+    """One row per (length, batch, method): the batch's decode throughput against the full cache at the
+    same batch and against the same method at batch 1, and the bytes the cache allocates."""
+    lines = ["| tokens | batch | method | decode tok/s (batch) | × full, same batch | × batch 1 | allocated MiB "
+             "(end) | allocated × full |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in sorted(result["batch_summary"], key=lambda r: (r["length"], r["batch"], r["method"] != "full")):
+        if r.get("status") != "ok":
+            lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | skipped: {r.get('reason', '')} | | | | |")
+            continue
+        lines.append(f"| {r['prompt_tokens']} | {r['batch']} | {r['method']} | {fmt(r['batch_decode_tps'], '.1f')} | "
+                     f"{fmt(r['batch_decode_tps_vs_full'], '.2f')} | {fmt(r['batch_decode_tps_vs_batch1'], '.2f')} | "
+                     f"{fmt(r['allocated_bytes_end'] and r['allocated_bytes_end'] / 2**20, '.1f')} | "
+                     f"{fmt(r['allocated_vs_full'], '.3f')} |")
+    return "\n".join(lines)
 
 
 def headline_table(result: dict) -> str:
@@ -246,6 +265,8 @@ def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots:
         details.append(result_section(result, path.stem) + "\n\n" + images)
         cmd = result["meta"].get("command", "")
         compact += [f"**{path.stem}** — `{cmd}`", "", environment_line(result), "", headline_table(result), ""]
+        if result.get("batch_summary"):
+            compact += [batch_table(result), ""]
         goals = targets(result)
         if goals:
             compact += [*goals, ""]

@@ -58,6 +58,7 @@ class BenchConfig:
     collect_garbage: bool = True  # gc.collect() before each measured block (cheap after gc.freeze())
     time_budget_s: float | None = None  # start no new repeat (and no trace) that would likely end past this
     same_size_decode: bool = True  # also decode with a full cache of each method's stored size (the physical limit)
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # sequences per cell (distinct, equal-length prompts)
 
     def validate(self) -> None:
         check(bool(self.methods), "no method to benchmark")
@@ -70,6 +71,10 @@ class BenchConfig:
         check(self.time_budget_s is None or (math.isfinite(self.time_budget_s) and self.time_budget_s > 0),
               f"--time-budget must be a positive number of seconds, got {self.time_budget_s}")
         check(self.max_context is None or self.max_context >= 1, f"--max-context must be >= 1, got {self.max_context}")
+        check(isinstance(self.batch_sizes, list) and bool(self.batch_sizes)
+              and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.batch_sizes),
+              f"--batch-sizes must be integers >= 1, got {self.batch_sizes}")
+        check(len(set(self.batch_sizes)) == len(self.batch_sizes), f"--batch-sizes has duplicates: {self.batch_sizes}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -107,6 +112,18 @@ def prompt_ids(tokenizer, n_tokens: int, seed: int = 0, vocab_size: int | None =
     sample = passkey_samples(tokenizer, n_tokens, 1, seed=seed)[0]
     ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
     return ids[:, :n_tokens]
+
+
+def batch_prompt_ids(first: torch.Tensor, tokenizer, batch: int, seed: int = 0,
+                     vocab_size: int | None = None) -> torch.Tensor:
+    """`(batch, n)`: `first` `(1, n)` and `batch - 1` other prompts of the same kind (seeds `seed + i`),
+    all cut to the shortest one's length (an unpadded batch: the cache stores every sequence alike)."""
+    if batch == 1:
+        return first
+    n = first.shape[-1]
+    rows = [first] + [prompt_ids(tokenizer, n, seed + i, vocab_size) for i in range(1, batch)]
+    n = min(r.shape[-1] for r in rows)
+    return torch.cat([r[:, :n] for r in rows], dim=0)
 
 
 def fitted_length(model, n_tokens: int, new_tokens: int) -> int:
@@ -238,7 +255,8 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
     the passes are in `scoring_evict_s`, inside `scoring_s`. `tokenizer` builds the passes' inputs."""
     device = model_device(model)
     n = ids.shape[-1]
-    row = {"method": spec.label, "length": length, "prompt_tokens": n, "repeat": repeat, "order": order}
+    row = {"method": spec.label, "length": length, "prompt_tokens": n, "batch": ids.shape[0], "repeat": repeat,
+           "order": order}
     try:
         method = spec.build(n, config.compression_ratio)
         passes = scoring_passes(method, ids, tokenizer)
@@ -298,6 +316,8 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         stored_bytes_prefill=stats_prefill.bytes_stored,
         full_bytes_prefill=stats_prefill.bytes_full,
         stored_bytes_end=stats_end.bytes_stored,
+        allocated_bytes_prefill=stats_prefill.bytes_allocated,
+        allocated_bytes_end=stats_end.bytes_allocated,
         full_bytes_end=stats_end.bytes_full,
         bookkeeping_bytes_end=stats_end.bytes_bookkeeping,
         stored_per_layer_prefill=[min(stats_prefill.mean_stored_per_layer), max(stats_prefill.mean_stored_per_layer)],
@@ -386,7 +406,7 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
     """
     from tqdm.auto import tqdm
 
-    from kvtrim.bench.summary import summarize
+    from kvtrim.bench.summary import summarize, summarize_batches
 
     config.validate()
     if config.threads:
@@ -410,14 +430,19 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
     def result(complete: bool) -> dict:
         meta["complete"] = complete
         meta["wall_s"] = time.perf_counter() - started
-        return {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
-                "trace": trace}
+        out = {"schema": SCHEMA, "meta": meta, "raw": raw, "summary": summarize(raw, config.compression_ratio),
+               "trace": trace}
+        if config.batch_sizes != [1]:
+            out["batch_summary"] = summarize_batches(raw)
+        return out
 
     def save() -> None:
         if checkpoint is not None:
             checkpoint(result(complete=False))
 
-    total = config.repeats * len(config.lengths) * len(config.methods)
+    batches = {(length, b): batch_prompt_ids(prompts[length], tokenizer, b, config.seed, vocab)
+               for length in config.lengths for b in config.batch_sizes}
+    total = config.repeats * len(batches) * len(config.methods)
     cells = total + (len(config.methods) if config.warmup else 0) + (len(config.methods) if config.trace_length else 0)
     status = tqdm(total=cells, desc="kvtrim bench", unit="cell", disable=not bar, dynamic_ncols=True, file=sys.stderr)
 
@@ -446,11 +471,11 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
                 say(f"time budget: stopping after {repeat} repeat(s)")
                 break
             round_start = time.perf_counter()
-            for length in config.lengths:
+            for length, batch in batches:
                 k = repeat % len(config.methods)
                 order = config.methods[k:] + config.methods[:k]
                 for position, spec in enumerate(order):
-                    row = measure_cell(model, spec, prompts[length], config, length, repeat, position,
+                    row = measure_cell(model, spec, batches[length, batch], config, length, repeat, position,
                                        tokenizer=tokenizer)
                     raw.append(row)
                     save()

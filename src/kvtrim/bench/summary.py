@@ -89,8 +89,10 @@ def _median(values: list) -> float | None:
 
 
 def summarize(raw: list[dict], compression_ratio: float | None = None) -> list[dict]:
-    """One summary row per (method, length), in the order the methods and lengths first appear."""
-    rows = [derive(r) for r in raw]
+    """One summary row per (method, length), in the order the methods and lengths first appear, over the
+    cells of the smallest batch size measured (1 by default; larger batches: `summarize_batches`)."""
+    smallest = min((r.get("batch", 1) for r in raw), default=1)
+    rows = [derive(r) for r in raw if r.get("batch", 1) == smallest]
     keys: list[tuple[str, int]] = []
     for r in rows:
         if (r["method"], r["length"]) not in keys:
@@ -131,6 +133,47 @@ def summarize(raw: list[dict], compression_ratio: float | None = None) -> list[d
             out["stored_vs_ideal"] = out["stored_bytes_prefill"] / ideal - 1 if method != FULL else None
         summary.append(out)
     return summary
+
+
+def summarize_batches(raw: list[dict]) -> list[dict]:
+    """One row per (method, length, batch) for `--batch-sizes`: medians over repeats of the batch's decode
+    throughput (`batch_decode_tps` = batch × tokens / decode seconds), prefill time and the bytes the cache
+    holds and allocates; paired ratios (same repeat) against the full cache at the same batch
+    (`*_vs_full`) and against the same method at batch 1 (`batch_decode_tps_vs_batch1`)."""
+    rows = [derive(r) for r in raw]
+    for r in rows:
+        if r.get("status") == "ok":
+            r["batch_decode_tps"] = r.get("batch", 1) * r["decode_tokens"] / r["decode_s"] if r["decode_s"] > 0 else None
+    ok = {(r["method"], r["length"], r.get("batch", 1), r["repeat"]): r for r in rows if r.get("status") == "ok"}
+    keys = list(dict.fromkeys((r["method"], r["length"], r.get("batch", 1)) for r in rows))
+    out = []
+    for method, length, batch in keys:
+        cell = [r for k, r in ok.items() if k[:3] == (method, length, batch)]
+        entry: dict[str, Any] = {"method": method, "length": length, "batch": batch, "repeats": len(cell)}
+        if not cell:
+            reason = next((r.get("reason", "") for r in rows if (r["method"], r["length"], r.get("batch", 1))
+                           == (method, length, batch)), "")
+            out.append({**entry, "status": "skipped", "reason": reason})
+            continue
+        entry.update(status="ok", prompt_tokens=cell[0]["prompt_tokens"])
+        for m in ("batch_decode_tps", "decode_step_s", "prefill_s", "stored_bytes_prefill", "allocated_bytes_prefill",
+                  "allocated_bytes_end", "stored_bytes_end"):
+            entry[m] = _median([r.get(m) for r in cell])
+
+        def paired(metric: str, base_key) -> float | None:
+            pairs = []
+            for r in cell:
+                base = ok.get(base_key(r))
+                if base is not None and r.get(metric) is not None and base.get(metric):
+                    pairs.append(r[metric] / base[metric])
+            return _median(pairs)
+
+        same_batch_full = lambda r: (FULL, length, batch, r["repeat"])  # noqa: E731
+        entry["batch_decode_tps_vs_full"] = paired("batch_decode_tps", same_batch_full)
+        entry["allocated_vs_full"] = paired("allocated_bytes_end", same_batch_full)
+        entry["batch_decode_tps_vs_batch1"] = paired("batch_decode_tps", lambda r: (method, length, 1, r["repeat"]))
+        out.append(entry)
+    return out
 
 
 # ---- files --------------------------------------------------------------------------------------
