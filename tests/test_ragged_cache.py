@@ -214,3 +214,22 @@ def test_a_ragged_layer_under_stock_attention_is_a_one_line_error():
         model(torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0)), cache=cache)
         with pytest.raises(KvtrimError, match="needs kvtrim's attention function"):
             model(torch.tensor([[1]]), cache=cache)
+
+
+def test_batch_repeat_and_select_of_ragged_layers():
+    model = enable(tiny_model("llama"))
+    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5))
+    cache = TrimCache(Uneven(), config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        model(torch.full((2, 1), 3), cache=cache)
+    before = [(layer.lengths, layer.storage.padded()) for layer in cache.trim_layers()]
+    cache.batch_repeat_interleave(2)
+    for layer, (lengths, view) in zip(cache.trim_layers(), before):
+        assert torch.equal(layer.lengths, lengths.repeat_interleave(2, dim=0))
+        mine = layer.storage.padded()
+        assert torch.equal(mine.keys[mine.valid], view.keys.repeat_interleave(2, 0)[view.valid.repeat_interleave(2, 0)])
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    for layer, (lengths, _) in zip(cache.trim_layers(), before):
+        assert torch.equal(layer.lengths, lengths[[1, 0]])
+        assert layer.storage.allocated_bytes() <= 1.02 * layer.storage.ideal_bytes()
