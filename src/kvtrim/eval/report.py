@@ -242,14 +242,7 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
         ax.set_xlabel("achieved compression ratio")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("score vs achieved compression (full cache dashed)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _finish_panels(plt, fig, axes, len(tasks), "score vs achieved compression (full cache dashed)", path)
 
 
 def plot_score_vs_budget(summary: list[dict], path: str) -> None:
@@ -283,11 +276,17 @@ def plot_score_vs_budget(summary: list[dict], path: str) -> None:
         ax.set_xlabel("budget (entries per KV head and layer)")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks):]:
+    _finish_panels(plt, fig, axes, len(tasks), "score vs budget (full cache dashed)", path)
+
+
+def _finish_panels(plt, fig, axes, used: int, title: str, path: str) -> None:
+    """A grid of per-task panels: blank the unused ones, one legend (the first panel's) right of the grid,
+    the title, then save and close."""
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("score vs budget (full cache dashed)", fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
