@@ -159,13 +159,20 @@ def test_allocated_bytes_stay_within_two_percent_of_ideal():
     assert stats.lengths_per_layer[0] == cache.layers[0].lengths.tolist()
 
 
-def test_copy_reorder_and_reset_of_ragged_layers():
+def _ragged_after_one_step(seed: int):
+    """`(model, cache)`: a batch of two 20-token prompts and one decode step under `Uneven` (ragged layers)."""
     model = enable(tiny_model("llama"))
-    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(seed))
     cache = TrimCache(Uneven(), config=model.config)
     with torch.no_grad():
         model(prompt, cache=cache)
         model(torch.full((2, 1), 3), cache=cache)
+    return model, cache
+
+
+def test_copy_reorder_and_reset_of_ragged_layers():
+    model, cache = _ragged_after_one_step(seed=0)
+    with torch.no_grad():
         copy = cache.copy()
         lengths = [layer.lengths for layer in cache.trim_layers()]
         a = model(torch.full((2, 1), 4), cache=copy).logits
@@ -217,12 +224,7 @@ def test_a_ragged_layer_under_stock_attention_is_a_one_line_error():
 
 
 def test_batch_repeat_and_select_of_ragged_layers():
-    model = enable(tiny_model("llama"))
-    prompt = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5))
-    cache = TrimCache(Uneven(), config=model.config)
-    with torch.no_grad():
-        model(prompt, cache=cache)
-        model(torch.full((2, 1), 3), cache=cache)
+    _, cache = _ragged_after_one_step(seed=5)
     before = [(layer.lengths, layer.storage.padded()) for layer in cache.trim_layers()]
     cache.batch_repeat_interleave(2)
     for layer, (lengths, view) in zip(cache.trim_layers(), before):
