@@ -118,3 +118,51 @@ def test_right_padded_prefill_stores_only_real_tokens(model):
         torch.testing.assert_close(logits[i, : len(s)], want[0])
         for lb, la in zip(cache.trim_layers(), alone.trim_layers()):
             assert rows(lb)[i] == rows(la)[0]
+
+
+# ---- compress once, a padded batch ------------------------------------------------------------------------
+@pytest.mark.parametrize("method", [kvtrim.SnapKV(compression_ratio=0.5, window=8),
+                                    kvtrim.KeyDiff(budget=40, block_size=32),
+                                    kvtrim.LagKV(sink_size=4, lag_size=16)], ids=lambda m: m.label())
+def test_compress_a_padded_batch_then_questions_of_different_lengths(model, method):
+    """A list of contexts compressed at once (block-wise methods: each context's own blocks), then
+    questions of different lengths: each sequence's answer and kept entries equal its compression alone."""
+    contexts = prompts((150, 70, 121), seed=1)
+    questions = prompts((5, 9, 3), seed=2)
+    ctx = kvtrim.compress(model, contexts, method)
+    before = ctx.stats()
+    answers = ctx.generate(questions, max_new_tokens=NEW)
+    assert ctx.stats() == before  # asking leaves the compressed contexts unchanged
+    assert before.bytes_allocated <= 1.02 * before.bytes_ideal
+    for i, (c, q) in enumerate(zip(contexts, questions)):
+        alone = kvtrim.compress(model, c[None], method)
+        for lb, la in zip(ctx.cache.trim_layers(), alone.cache.trim_layers()):
+            assert rows(lb)[i] == rows(la)[0], (method.describe(), i)
+        torch.testing.assert_close(ctx.logits[i], alone.logits[0])
+        assert torch.equal(answers[i], alone.generate(q[None], max_new_tokens=NEW)[0]), (method.describe(), i)
+
+
+def test_compress_takes_a_right_padded_tensor_and_its_mask(model):
+    contexts = prompts((60, 41), seed=3)
+    ids, mask = pad(contexts, "right")
+    method = kvtrim.KNorm(compression_ratio=0.5)
+    from_tensor = kvtrim.compress(model, ids, method, attention_mask=mask)
+    from_list = kvtrim.compress(model, contexts, method)
+    assert torch.equal(from_tensor.context_ids, from_list.context_ids)
+    for a, b in zip(from_tensor.cache.trim_layers(), from_list.cache.trim_layers()):
+        assert rows(a) == rows(b)
+
+
+def test_padded_batch_refusals_are_one_line(model):
+    stock = tiny_model("qwen2", q_heads=6, kv_heads=2, layers=2, vocab=VOCAB)  # no kvtrim attention
+    with pytest.raises(kvtrim.KvtrimError, match="needs kvtrim's attention"):
+        kvtrim.compress(stock, prompts(), kvtrim.KNorm(budget=20))
+    ctx = kvtrim.compress(model, prompts()[0][None], kvtrim.KNorm(budget=20))  # an unpadded context
+    with pytest.raises(kvtrim.KvtrimError, match="need a padded batch of contexts"):
+        ctx.generate([torch.tensor([1, 2]), torch.tensor([3])])
+    ids, mask = pad(prompts())
+    cache = kvtrim.TrimCache(kvtrim.KNorm(budget=20), config=model.config)
+    with torch.no_grad():
+        model(ids[:, :-1], cache=cache)  # no padding in the first forward: a dense batch
+        with pytest.raises(kvtrim.KvtrimError, match="padding appeared after the first forward"):
+            model(ids[:, -1:], attention_mask=torch.cat([mask, torch.tensor([[1], [0], [1]])], -1)[:, 1:], cache=cache)

@@ -785,8 +785,18 @@ class TrimCache(Cache):
         config: the model config. Needed for models with sliding-window layers (e.g. Gemma-3): those
             layers are left alone (they already bound themselves); only full-attention layers evict.
             Without it, every layer is created lazily as an evicting layer.
+        padded: treat the batch as a padded batch from its first forward even if that forward has no pads
+            (so that later forwards may bring some, e.g. questions of different lengths); default False:
+            a batch is padded when its first forward's attention mask has pads.
 
     Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))`.
+
+    Padded batches (`model.generate(ids, attention_mask=mask, cache=TrimCache(method))` with left padding,
+    or right padding in a prefill forward) need kvtrim's attention (`kvtrim.enable(model)` /
+    `kvtrim.load_model`), whose mask builder tells the cache which tokens are pads: pads are never stored
+    (every layer is ragged from the first forward), each sequence keeps its own positions, and the method
+    runs once per sequence on a batch-1 view of that sequence (`TrimLayer.sequence_view`): the kept
+    entries are those of the sequence run alone (budgets and `compression_ratio` per sequence).
 
     The prompt: everything before the first generated token, unless told otherwise. `kvtrim.prefill`
     and `kvtrim.compress` declare their forwards (`phase(...)`) and end the prompt themselves; after a
@@ -794,7 +804,11 @@ class TrimCache(Cache):
     `end_prompt()` is called. Later multi-token forwards are appends (a question, a new turn).
     """
 
-    def __init__(self, method: EvictionMethod | None = None, config=None):
+    def __init__(self, method: EvictionMethod | None = None, config=None, padded: bool = False):
+        check(isinstance(padded, bool), f"padded must be true or false, got {padded!r}")
+        #: True: a padded batch from the first forward even without pads in it (later forwards may bring
+        #: some: questions of different lengths after a compressed context); set by `kvtrim.compress`
+        self.padded = padded
         self.method = method if method is not None else FullCache()
         if not isinstance(self.method, EvictionMethod):
             raise KvtrimError(f"TrimCache expects an eviction method, got {type(self.method).__name__}")
@@ -906,6 +920,8 @@ class TrimCache(Cache):
             valid = mask[:, -q:].to(device=key_states.device, dtype=torch.bool)
             if bool(valid.all()):
                 valid = None
+        if valid is None and self.padded and not layer.is_initialized:
+            valid = torch.ones(b, q, dtype=torch.bool, device=key_states.device)  # per sequence from the start
         padded = valid is not None or layer.per_sequence
         expected = torch.arange(layer.seen, layer.seen + q, device=key_states.device)
         positions = expected.expand(b, q)
