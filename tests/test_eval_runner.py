@@ -281,3 +281,43 @@ def test_budget_and_ratio_rows_are_different_cells(model, tok, samples, tmp_path
     assert len(rows) == 1 and len(more) == 2  # the ratio row is not redone, the budget row is new
     by_key = {r["key"].split("|")[-1]: r for r in more}
     assert by_key["0.5"]["budget"] == by_key["0.5"]["compressed_tokens"] // 2 and by_key["b100"]["budget"] == 100
+
+
+REASONING_FILE = os.path.join(os.path.dirname(__file__), "data", "reasoning_tasks.jsonl")
+
+
+def test_budget_sweep_on_the_hand_written_reasoning_file(model, tok, tmp_path):
+    """A GSM8K / MATH-style task file through a budget sweep, end to end: each row decodes to its own
+    `max_new_tokens` (512-2048 in the file; capped here to keep the test short), is scored by its row's
+    metric (`final_number`, `boxed`, `trace`), and the budget methods evict while the answer grows:
+    H2O at the budget every step, LazyEviction back to the budget every `window` steps."""
+    from kvtrim.eval.sample import read_task_file
+    from kvtrim.eval.scoring import score_prediction
+
+    samples = {s.id: s for s in read_task_file(REASONING_FILE)}
+    assert min(s.max_new_tokens for s in samples.values()) >= 512
+    cap, budget, window = 120, 24, 16
+    settings = RunSettings(model="tiny", max_new_tokens=cap, stop_when_answered=False)
+    specs = parse_method_specs(["full", f"lazyeviction:window={window}", "h2o"])
+    rows = Runner(model, tok, settings, str(tmp_path), progress=False).run(plan(list(samples.values()), specs, [],
+                                                                               [budget]))
+    assert len(rows) == 3 * len(samples)
+    seen = set()
+    for r in rows:
+        sample = samples[r["sample_id"]]
+        seen.add(r["metric"])
+        assert r["metric"] == sample.metric and r["max_new_tokens"] == cap
+        expect = score_prediction(sample.metric, r["prediction"], sample.answers)
+        assert {k: r[k] for k in expect} == expect
+        assert ("trace_partial" in r) == (sample.metric == "trace") and "boxed" in r
+        trace, start = r["stored_trace"], r["stored_trace"][0]
+        assert len(trace) == r["new_tokens"] > 2 * (budget + window)  # random weights: no early EOS
+        if r["method"] == "full":
+            assert trace == list(range(start, start + len(trace)))
+        elif r["method"] == "h2o":
+            assert trace == [budget] * len(trace)
+        else:  # LazyEviction keeps the prompt, then cuts to the budget at every multiple of the window
+            assert trace == _expected_trace(start, len(trace) - 1, budget, window)
+            assert trace[window] == budget and max(trace[window:]) <= budget + window
+            assert r["final_compression"] > 0
+    assert seen == {"final_number", "boxed", "trace"}
