@@ -23,6 +23,14 @@ Two storage layouts per layer (`TrimLayer.is_ragged`):
   `kvtrim.ragged_attention` on the step's transient padded view (a missing hand-off is an error at the
   next layer's update, as for methods that need queries). Methods then see that padded view
   (`view.valid` marks the stored entries).
+
+Padded batches: kvtrim's mask builders record the forward's 2D padding mask (`record_padding_mask`);
+`TrimCache.update` reads which of the step's tokens are pads from its last q columns and takes each
+sequence's positions from the model's `position_ids`. A cache whose first forward has pads (or built with
+`padded=True`) keeps every layer ragged from the start and never stores a pad; `seen` counts columns (what
+`generate` and the mask sizes use) and `TrimLayer.seq` each sequence's real tokens and method state. The
+method then runs once per sequence on a batch-1 view of that sequence's entries (`sequence_view`): the
+kept entries are those of the sequence alone, for any method, through the contract only.
 """
 
 from __future__ import annotations

@@ -39,23 +39,27 @@ ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step
 only turns ragged on a cache kvtrim's attention has run on. Attend, then evict: the step's padded view is
 taken before any eviction decided in `update`, and the flash path reads the storage only while it still
 ends with the step's entries. Methods see the padded view (`LayerView.valid`). AdaKV (`kvtrim.methods.adakv`)
-decides once, on a dense layer, with a keep mask. Still a plan:
+decides once, on a dense layer, with a keep mask.
 
-* Padded batches. Masks: a ragged layer could return `(q, seen)` from `get_mask_sizes(q)`: the model
-  then builds only the `(b, 1, q, q)` block of this step's tokens (or None), and `kv_offset + kv_length =
-  seen + q` keeps the 2D padding mask's columns aligned with this step's tokens
-  (`tests/test_ragged_mask_sizes.py`); the step's per-sequence validity `(b, q)` recorded by kvtrim's mask
-  builder (registered through `AttentionMaskInterface`: the stock builder plus a record of the 2D mask's
-  last q columns) so that `TrimCache.update`, which runs after the mask is built and before attention,
-  stores only valid entries (`append(..., valid=...)`). Left padding gives per-sequence `position_ids`
-  (cumsum of the attention mask, which `update` already receives); `seen` stays the global token count
-  (what `get_seq_length` and `cache_position` use) and the layer also counts valid tokens per sequence
-  for budgets.
-* Scoring ragged layers again: the scoring base sets invalid scores to -inf, computes kept counts per
-  sequence from that sequence's own token count, and returns a keep mask; per-entry state aligned with
-  the view (H2O's scores, LazyEviction's TS/MRI) follows with `compact(state, mask)`, the rule the slot
-  table uses. Scorers must then respect `view.valid` (softmaxes and means over the padded view include
-  filler entries today).
+Padded batches (done, `kvtrim.cache`): kvtrim's mask builders (registered through `AttentionMaskInterface`:
+the stock builders after a record of the forward's 2D padding mask) tell `TrimCache.update`, which runs
+after the mask is built and before attention, which of the step's tokens are pads (the mask's last q
+columns); a layer whose first forward has pads is ragged from the start and stores only real tokens
+(`append(..., valid=...)`). Positions are each sequence's own (`position_ids`, which `generate` derives
+from the mask); `seen` stays the global column count (what `get_seq_length` and the mask sizes use) and
+the layer counts each sequence's real tokens for budgets. Ragged layers ignore the model's mask (kvtrim's
+attention masks by positions; pad queries see nothing), so `get_mask_sizes` keeps the dense formula.
+Scoring: the reference path, not the vectorised one the plan sketched. The method runs once per sequence
+on a batch-1 view of that sequence's entries (`TrimLayer.sequence_view`, dense when its heads hold equal
+counts), with its own state, token counts and queries of its real tokens; each keep is mapped into one
+keep mask over the padded view. Every method gets it through the contract, with no code of its own.
+Still a plan:
+
+* Scoring ragged layers in one vectorised call: the scoring base would set invalid scores to -inf,
+  compute kept counts per sequence and return a keep mask; per-entry state aligned with the view (H2O's
+  scores, LazyEviction's TS/MRI) would follow with `compact(state, mask)`, the rule the slot table uses.
+  Scorers must then respect `view.valid` (softmaxes and means over the padded view include filler
+  entries today). It would replace the per-sequence loop of padded batches and let AdaKV evict again.
 * `as_dense()` is a zero-copy view when rows are equal and packed (unused: a layer stays ragged).
 """
 
