@@ -8,6 +8,7 @@ import torch
 from collections.abc import Callable
 
 from kvtrim.cache import TrimCache
+from kvtrim.methods.base import check
 from kvtrim.prefill import prefill
 
 
@@ -64,4 +65,46 @@ def greedy_decode(
             logits = forward_last_logits(model, torch.tensor([[token]]), cache)
             if after_step is not None:
                 after_step()
+    return tokens
+
+
+@torch.no_grad()
+def greedy_decode_batch(
+    model, cache: TrimCache, logits: torch.Tensor, max_new_tokens: list[int], stop_ids: set[int],
+    done: list[Callable[[list[int]], bool] | None] | None = None,
+    after_step: Callable[[list[int]], None] | None = None,
+    finished: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """`greedy_decode` for a batch: row `i` follows exactly the rules of `greedy_decode` with its own
+    `max_new_tokens[i]` and `done[i]`, from `logits` `(batch, vocab)`.
+
+    Each step feeds every row's token in one `(batch, 1)` forward while any row still needs it. A row
+    that stopped keeps being fed its own greedy token (rows do not attend to each other), but nothing
+    of it is returned or watched after it stopped: `finished(i)` runs at the moment row `i` stops
+    (before any further forward, to read its cache then), `after_step(rows)` after each forward with
+    the rows that forward was for (those that `greedy_decode` would have fed)."""
+    b = logits.shape[0]
+    check(len(max_new_tokens) == b and all(m >= 1 for m in max_new_tokens),
+          f"need one max_new_tokens >= 1 per row ({b} rows), got {max_new_tokens}")
+    done = done if done is not None else [None] * b
+    tokens: list[list[int]] = [[] for _ in range(b)]
+    active = list(range(b))
+    for step in range(max(max_new_tokens)):
+        chosen = logits.argmax(dim=-1)
+        fed = []
+        for i in active:
+            token = int(chosen[i])
+            if token not in stop_ids:
+                tokens[i].append(token)
+                if not (done[i] is not None and done[i](tokens[i])) and step + 1 < max_new_tokens[i]:
+                    fed.append(i)
+                    continue
+            if finished is not None:
+                finished(i)
+        if not fed:
+            break
+        logits = forward_last_logits(model, chosen[:, None], cache)
+        if after_step is not None:
+            after_step(fed)
+        active = fed
     return tokens

@@ -37,8 +37,9 @@ from typing import Iterator
 import torch
 
 from kvtrim.attention import is_enabled
+from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.compress import CompressedContext, compress
-from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode
+from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode, greedy_decode_batch
 from kvtrim.eval.jsonl import read_jsonl
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.sample import Sample
@@ -66,6 +67,9 @@ class RunSettings:
     # stop decoding once the answer holds every reference: string_match / passkey scores cannot change
     # after that (containment survives appended text), only the stored prediction is shorter
     stop_when_answered: bool = True
+    # sequences per batched forward (`--batch-size`); does not change the rows (exact in float32), so a
+    # run may resume with another batch size
+    batch_size: int = 1
 
 
 @dataclass
@@ -108,6 +112,9 @@ def check_sample_fits(fmt: PromptFormat, sample: Sample, cap: int | None, limit:
                          f"context of {limit}")
 
 
+_NOT_RESULTS = ("reuse_prefill", "batch_size")  # settings that change how rows are computed, not the rows
+
+
 def check_run_settings(out_dir: str, settings: RunSettings) -> None:
     """Create `run.json`, or refuse to mix results made with other settings into `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
@@ -116,7 +123,7 @@ def check_run_settings(out_dir: str, settings: RunSettings) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
-        diff = [k for k in current if k != "reuse_prefill" and previous.get(k) != current[k]]
+        diff = [k for k in current if k not in _NOT_RESULTS and previous.get(k) != current[k]]
         check(not diff, f"{out_dir} holds results made with other settings ({', '.join(f'{k}={previous.get(k)!r}' for k in diff)}); "
                         "use another --out or the same settings")
     with open(path, "w", encoding="utf-8") as f:
@@ -135,6 +142,56 @@ def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float],
         jobs += [Job(sample, spec, 0.0) for spec in specs if spec.is_full]
         jobs += [Job(sample, spec, r, b) for r, b in settings for spec in specs if not spec.is_full]
     return jobs
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What a row records of its sequence's cache: KV bytes stored and those of a full cache (the achieved
+    compression), and the entries per (layer, kv_head) on average."""
+
+    bytes_stored: int
+    bytes_full: int
+    stored_per_layer_mean: float
+
+    @property
+    def compression_ratio(self) -> float:
+        return 0.0 if self.bytes_full == 0 else 1.0 - self.bytes_stored / self.bytes_full
+
+    @classmethod
+    def of(cls, stats: CacheStats) -> RowStats:
+        """A cache holding one sequence."""
+        mean = stats.mean_stored_per_layer
+        return cls(stats.bytes_stored, stats.bytes_full, sum(mean) / max(1, len(mean)))
+
+    @classmethod
+    def of_row(cls, cache: TrimCache, i: int, seen: int) -> RowStats:
+        """Sequence `i` of a batched cache, having seen `seen` tokens: what `of(cache.stats())` reads of a
+        cache holding that sequence alone (the same sums over its own rows' stored lengths)."""
+        stored = full = 0
+        means = []
+        for layer in cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            if isinstance(layer, TrimLayer):
+                row = layer.lengths[i].tolist()
+                head_dim = layer.storage.head_dim if layer.is_ragged else layer.keys.shape[-1]
+                entry = head_dim * 2 * layer.kv_tensors()[0].element_size()
+                stored += sum(row) * entry
+                full += len(row) * seen * entry
+            else:  # a sliding-window layer: what it holds, as `CacheStats` counts it
+                b, h, n = layer.keys.shape[:3]
+                row = [n] * h
+                kv = (layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()) // b
+                stored += kv
+                full += kv
+            means.append(sum(row) / max(1, len(row)))
+        return cls(stored, full, sum(means) / max(1, len(means)))
+
+    @staticmethod
+    def largest_layer(cache: TrimCache, i: int) -> int:
+        """Entries of sequence `i` in its fullest layer and kv_head (`max(stats().stored_per_layer)` of a
+        cache holding that sequence alone)."""
+        return max(max(rows[i]) for rows in cache.stats().lengths_per_layer)
 
 
 @dataclass
@@ -164,17 +221,46 @@ class Runner:
     def build(self, job: Job, n: int) -> EvictionMethod:
         return job.spec.build(n, job.compression_ratio, self.settings.compression, budget=job.budget)
 
-    def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
-                shared: CompressedContext | None) -> dict:
-        sample, n = job.sample, compressed.shape[-1]
-        row = {
+    def _row(self, job: Job, n: int, m: int) -> dict:
+        """The fields of `job`'s row known before it runs (`n` compressed tokens, `m` fed after)."""
+        sample = job.sample
+        return {
             "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
             "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
             "compression_ratio": job.compression_ratio,
             "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
-            "compressed_tokens": n, "prompt_tokens": n + after.shape[-1], "query_aware": self.settings.query_aware,
+            "compressed_tokens": n, "prompt_tokens": n + m, "query_aware": self.settings.query_aware,
             "metric": sample.metric, "answers": sample.answers,
         }
+
+    def _done(self, sample: Sample):
+        """The stop-when-answered rule of `sample` (None with --full-answers)."""
+        if not self.settings.stop_when_answered:
+            return None
+        return lambda t: score_prediction(  # noqa: E731
+            sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+
+    def _finish(self, row: dict, sample: Sample, tokens: list[int], budget: int, done, stats: RowStats,
+                final: RowStats, trace: list[int], reused: bool, seconds: float) -> dict:
+        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        row.update(
+            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
+            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
+            **score_prediction(sample.metric, prediction, sample.answers),
+            achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
+            # a decode forward holds the entries before it plus its token until its eviction
+            peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
+            stored_trace=trace,
+            kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
+            stored_per_layer_mean=stats.stored_per_layer_mean,
+            prefill_reused=reused, seconds=round(seconds, 3),
+        )
+        return row
+
+    def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
+                shared: CompressedContext | None) -> dict:
+        sample, n = job.sample, compressed.shape[-1]
+        row = self._row(job, n, after.shape[-1])
         try:
             method = self.build(job, n)
         except KvtrimError as err:
@@ -189,35 +275,70 @@ class Runner:
             ctx = compress(self.model, compressed, method, chunk_size=self.settings.prefill_chunk_size or "auto",
                            tokenizer=self.tokenizer)
         cache, logits = ctx.cache, ctx.logits  # one question per compression: no copy needed
-        stats = cache.stats()
+        stats = RowStats.of(cache.stats())
         if after.shape[-1]:
             logits = forward_last_logits(self.model, after, cache)
         budget = sample_budget(sample, self.settings.max_new_tokens)
-        done = None
-        if self.settings.stop_when_answered:
-            done = lambda t: score_prediction(  # noqa: E731
-                sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+        done = self._done(sample)
         trace = [max(cache.stats().stored_per_layer)]  # the largest layer's entries, before decoding
 
         def watch() -> None:
             trace.append(max(cache.stats().stored_per_layer))
 
         tokens = greedy_decode(self.model, cache, logits, budget, self._stop, done, watch)
-        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        final = cache.stats()
-        row.update(
-            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
-            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
-            **score_prediction(sample.metric, prediction, sample.answers),
-            achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
-            # a decode forward holds the entries before it plus its token until its eviction
-            peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
-            stored_trace=trace,
-            kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
-            stored_per_layer_mean=sum(stats.mean_stored_per_layer) / max(1, len(stats.mean_stored_per_layer)),
-            prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
-        )
-        return row
+        return self._finish(row, sample, tokens, budget, done, stats, RowStats.of(cache.stats()), trace, reused,
+                            time.perf_counter() - start)
+
+    def run_batch(self, jobs: list[Job], method: EvictionMethod, encoded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  shared: CompressedContext | None) -> list[dict]:
+        """The rows of `jobs` (one cell, distinct samples, every one configured as `method`) from one batched
+        compression and one batched greedy decoding; each row equals `run_job`'s (float32, greedy).
+
+        Per row, the cache is read from its own sequence: its stored lengths, and its own tokens seen
+        (`RowStats.of_row`); decoding follows `greedy_decode`'s rules per row (`greedy_decode_batch`).
+        `shared`: a one-shot full prefill of exactly these samples, in this order, to replay."""
+        b = len(jobs)
+        compressed = [encoded[job.sample.id][0] for job in jobs]
+        after = [encoded[job.sample.id][1] for job in jobs]
+        n, m = [c.shape[-1] for c in compressed], [a.shape[-1] for a in after]
+        check(len(set(n)) == 1 and len(set(m)) == 1, "a batch of prompts of unequal lengths needs padding")
+        rows = [self._row(job, n[i], m[i]) for i, job in enumerate(jobs)]
+        for row in rows:
+            row["method_config"] = method.describe()
+        start = time.perf_counter()
+        reused = shared is not None and self._can_reuse(method, shared)
+        if reused:
+            ctx = shared.recompress(method)
+        else:
+            ctx = compress(self.model, torch.cat(compressed), method,
+                           chunk_size=self.settings.prefill_chunk_size or "auto", tokenizer=self.tokenizer)
+        cache, logits = ctx.cache, ctx.logits
+        seen = list(n)  # tokens each sequence has seen
+        stats = [RowStats.of_row(cache, i, seen[i]) for i in range(b)]
+        if m[0]:
+            logits = forward_last_logits(self.model, torch.cat(after), cache)
+            seen = [s + k for s, k in zip(seen, m)]
+        budgets = [sample_budget(job.sample, self.settings.max_new_tokens) for job in jobs]
+        done = [self._done(job.sample) for job in jobs]
+        trace = [[RowStats.largest_layer(cache, i)] for i in range(b)]
+        final: dict[int, RowStats] = {}
+
+        def watch(fed: list[int]) -> None:
+            for i in fed:
+                seen[i] += 1
+                trace[i].append(RowStats.largest_layer(cache, i))
+
+        def finished(i: int) -> None:
+            final[i] = RowStats.of_row(cache, i, seen[i])
+
+        tokens = greedy_decode_batch(self.model, cache, logits, budgets, self._stop, done, watch, finished)
+        seconds = (time.perf_counter() - start) / b  # each row's share of the batch
+        out = []
+        for i, job in enumerate(jobs):
+            rows[i]["batch_size"] = b
+            out.append(self._finish(rows[i], job.sample, tokens[i], budgets[i], done[i], stats[i], final[i],
+                                    trace[i], reused, seconds))
+        return out
 
     def _reusable(self, method: EvictionMethod) -> bool:
         """True when `method`'s cache after a shared one-shot prefill equals its own compression."""
@@ -245,22 +366,86 @@ class Runner:
         return True, any(m.waits_for_attention for m in reusable) and is_enabled(self.model)
 
     # ---- the sweep ---------------------------------------------------------------------------
-    def run_unit(self, sample_jobs: list[Job]) -> Iterator[dict]:
-        """The rows of one unit of work: the pending jobs of one sample (they share its prefill), in order.
+    def run_unit(self, unit: list[Job]) -> Iterator[dict]:
+        """The rows of one unit of work, in order: the pending jobs of one sample (they share its prefill),
+        or with `batch_size` > 1 those of up to `batch_size` samples of one task and length (`pending_units`),
+        run cell by cell in batches (`run_batched_unit`).
 
         A unit is what `kvtrim eval --ray` sends to one worker (`kvtrim.eval.ray_sweep`)."""
-        sample = sample_jobs[0].sample
+        if len({job.sample.id for job in unit}) > 1:
+            yield from self.run_batched_unit(unit)
+            return
+        sample = unit[0].sample
         check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
         compressed, after = self.encode(sample)
-        want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
+        want, queries = self._wants_shared(unit, compressed.shape[-1])
         self._shared_queries = queries
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
-        for job in sample_jobs:
-            if self._bar is not None:
-                setting = f"b={job.budget}" if job.budget is not None else f"r={job.compression_ratio:g}"
-                self._bar.set_postfix_str(f"{sample.task} {job.spec.label} {setting}", refresh=False)
+        for job in unit:
+            self._show(job)
             yield self.run_job(job, compressed, after, shared)
         del shared
+
+    def _show(self, job: Job, size: int = 1) -> None:
+        if self._bar is not None:
+            setting = f"b={job.budget}" if job.budget is not None else f"r={job.compression_ratio:g}"
+            batch = f" x{size}" if size > 1 else ""
+            self._bar.set_postfix_str(f"{job.sample.task} {job.spec.label} {setting}{batch}", refresh=False)
+
+    def run_batched_unit(self, unit: list[Job]) -> Iterator[dict]:
+        """The rows of several samples' pending jobs, cell (method and setting) by cell in plan order.
+
+        A cell's jobs run in batches of the samples whose method is configured identically
+        (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length) and
+        whose prompts have the same lengths; a lone one runs as `run_job`. With prefill reuse, the
+        samples' contexts are prefilled once together when they can be and two or more cells replay it."""
+        samples = list({job.sample.id: job.sample for job in unit}.values())
+        for sample in samples:
+            check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
+        encoded = {sample.id: self.encode(sample) for sample in samples}
+        cells: dict[tuple, list[Job]] = {}
+        for job in unit:
+            cells.setdefault((job.spec.label, job.compression_ratio, job.budget), []).append(job)
+        batches: list[tuple[list[Job], EvictionMethod | None]] = []  # (jobs, their method; None: run alone)
+        for jobs in cells.values():
+            groups: dict[tuple, tuple[list[Job], EvictionMethod]] = {}
+            for job in jobs:
+                compressed, after = encoded[job.sample.id]
+                try:
+                    method = self.build(job, compressed.shape[-1])
+                except KvtrimError:
+                    batches.append(([job], None))  # recorded as skipped by run_job
+                    continue
+                key = (method.describe(), compressed.shape[-1], after.shape[-1])
+                groups.setdefault(key, ([], method))[0].append(job)
+            for group, method in groups.values():
+                for at in range(0, len(group), self.settings.batch_size):
+                    batches.append((group[at:at + self.settings.batch_size], method))
+        shared, together = self._shared_batch(samples, encoded, batches)
+        for jobs, method in batches:
+            self._show(jobs[0], len(jobs))
+            if method is None or len(jobs) == 1:
+                yield self.run_job(jobs[0], *encoded[jobs[0].sample.id], None)
+                continue
+            ids = [job.sample.id for job in jobs]
+            yield from self.run_batch(jobs, method, encoded, shared if ids == together else None)
+        del shared
+
+    def _shared_batch(self, samples: list[Sample], encoded: dict, batches: list) -> tuple[CompressedContext | None, list[str]]:
+        """The shared prefill of a batched unit: all its samples' contexts in one full-cache forward, when
+        they have one length and two or more batches covering all of them can replay it; and the sample
+        ids it holds, in order."""
+        ids = [s.id for s in samples]
+        n = {encoded[i][0].shape[-1] for i in ids}
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None or len(n) > 1:
+            return None, []
+        methods = [method for jobs, method in batches
+                   if method is not None and [job.sample.id for job in jobs] == ids and self._reusable(method)]
+        if len(methods) < 2:
+            return None, []
+        self._shared_queries = any(m.waits_for_attention for m in methods) and is_enabled(self.model)
+        context = torch.cat([encoded[i][0] for i in ids])
+        return compress(self.model, context, FullCache(), None, self._shared_queries), ids
 
     @property
     def _limit(self) -> int | None:
@@ -273,7 +458,7 @@ class Runner:
         from tqdm.auto import tqdm
 
         check_run_settings(self.out_dir, self.settings)
-        units = pending_units(self.out_dir, jobs)
+        units = pending_units(self.out_dir, jobs, self.settings.batch_size)
         pending = sum(len(unit) for unit in units)
         self._bar = tqdm(total=len(jobs), initial=len(jobs) - pending, desc="kvtrim eval", unit="run",
                          disable=not self.progress, dynamic_ncols=True)
@@ -291,15 +476,23 @@ class Runner:
         return load_rows(self.out_dir)
 
 
-def pending_units(out_dir: str, jobs: list[Job]) -> list[list[Job]]:
+def pending_units(out_dir: str, jobs: list[Job], batch_size: int = 1) -> list[list[Job]]:
     """The jobs not yet in `out_dir/results.jsonl` (a cut last line repaired first), grouped by sample in
-    plan order: the units of work, each sharing one prefill."""
+    plan order: the units of work, each sharing one prefill. With `batch_size` > 1, a unit holds the jobs
+    of up to `batch_size` samples of one task and length (in plan order), run in batches (`Runner.run_unit`)."""
     done = {row.get("key") for row in load_rows(out_dir, repair=True)}
     by_sample: dict[str, list[Job]] = {}
     for job in jobs:
         if job.key not in done:
             by_sample.setdefault(job.sample.id, []).append(job)
-    return list(by_sample.values())
+    units = list(by_sample.values())
+    if batch_size == 1:
+        return units
+    groups: dict[tuple, list[list[Job]]] = {}
+    for unit in units:
+        groups.setdefault((unit[0].sample.task, unit[0].sample.length), []).append(unit)
+    return [[job for unit in group[at:at + batch_size] for job in unit]
+            for group in groups.values() for at in range(0, len(group), batch_size)]
 
 
 def write_row(out, row: dict) -> None:
