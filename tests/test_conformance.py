@@ -218,6 +218,38 @@ def test_batch_of_two_equals_each_alone(model, tok, name):
             assert rows(lb)[row] == rows(la)[0]
 
 
+# ---- 5b. a left-padded batch equals each alone ----------------------------------------------------------
+PADDED_LENGTHS = (PROMPT, 90, 121)  # none ends with a 1-token block at block size 32 (see padded_layout)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_batch_equals_each_alone(model, tok, name):
+    """Left padding through kvtrim.generate (stock generate; block-wise methods get each sequence's own
+    blocks): each sequence's tokens and kept positions equal its run alone, pads are never stored and the
+    pools stay within 2 % of the entries held. Methods that cannot (scoring passes) refuse in one line."""
+    method = spec_for(name).build(PROMPT, 0.5)
+    seqs = [ids(n, seed=20 + i)[0] for i, n in enumerate(PADDED_LENGTHS)]
+    width = max(PADDED_LENGTHS)
+    batch = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, s in enumerate(seqs):
+        batch[i, width - len(s):], mask[i, width - len(s):] = s, 1
+    if method.scoring_passes:
+        with pytest.raises(kvtrim.KvtrimError, match="padded batch"):
+            kvtrim.generate(model, batch, method, max_new_tokens=NEW, tokenizer=tok, pad_token_id=0,
+                            attention_mask=mask)
+        return
+    tokens, cache = kvtrim.generate(model, batch, method, max_new_tokens=NEW, tokenizer=tok, pad_token_id=0,
+                                    attention_mask=mask)
+    for row, s in enumerate(seqs):
+        t, alone = kvtrim.generate(model, s[None], method, max_new_tokens=NEW, tokenizer=tok, pad_token_id=0)
+        assert torch.equal(tokens[row], t[0]), (method.describe(), row)
+        for lb, la in zip(trim_layers(cache), trim_layers(alone)):
+            assert rows(lb)[row] == rows(la)[0], (method.describe(), row, lb.layer_idx)
+    stats = cache.stats()
+    assert stats.bytes_allocated <= 1.02 * stats.bytes_ideal
+
+
 # ---- 6. one-shot vs block-wise prefill ---------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_one_shot_and_block_wise_prefill(model, tok, name):

@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvtrim.cache import TrimLayer, take_pending_layer
+from kvtrim.cache import TrimLayer, record_padding_mask, take_pending_layer
 from kvtrim.methods.base import KvtrimError, check
 from kvtrim.ragged_attention import flash_varlen_available, ragged_attention, ragged_attention_with_probabilities
 
@@ -109,7 +109,7 @@ def _ragged(layer: TrimLayer | None, query: torch.Tensor, scaling: float | None,
     step = None if layer is None else layer.take_ragged_step()
     if step is None:
         return None
-    view, storage, query_positions = step
+    view, storage, query_positions, query_valid = step
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     unsupported = [k for k in ("position_bias", "s_aux", "sinks") if kwargs.get(k) is not None]
     check(not unsupported, f"ragged kvtrim attention does not support {', '.join(unsupported)} yet")
@@ -117,13 +117,14 @@ def _ragged(layer: TrimLayer | None, query: torch.Tensor, scaling: float | None,
     softcap = kwargs.get("softcap")
     if _wants_probs(layer, query):
         kv = view if view is not None else layer.padded_view()
-        out, probs = ragged_attention_with_probabilities(query, kv, query_positions, scaling=scale, softcap=softcap)
+        out, probs = ragged_attention_with_probabilities(query, kv, query_positions, query_valid, scaling=scale,
+                                                         softcap=softcap)
     else:
         if storage is not None and flash_varlen_available(query):  # reads the storage: it ends with this step
             kv = storage
         else:
             kv = view if view is not None else layer.padded_view()
-        out, probs = ragged_attention(query, kv, query_positions, scaling=scale, softcap=softcap), None
+        out, probs = ragged_attention(query, kv, query_positions, query_valid, scaling=scale, softcap=softcap), None
     _hand_over(layer, query, probs, scale)
     return out, probs
 
@@ -213,12 +214,25 @@ def kvtrim_eager_attention(
 
 
 # ---- switching a model ---------------------------------------------------------------------------
+def kvtrim_sdpa_mask(*args, **kwargs):
+    """The stock SDPA mask builder, after recording the forward's 2D padding mask for `TrimCache`
+    (which of this step's tokens are pads: a padded batch never stores them)."""
+    record_padding_mask(kwargs.get("attention_mask"))
+    return sdpa_mask(*args, **kwargs)
+
+
+def kvtrim_eager_mask(*args, **kwargs):
+    """The stock eager mask builder, after recording the forward's 2D padding mask (as `kvtrim_sdpa_mask`)."""
+    record_padding_mask(kwargs.get("attention_mask"))
+    return eager_mask(*args, **kwargs)
+
+
 def register() -> None:
     """Register kvtrim's attention functions and their mask builders (idempotent)."""
     AttentionInterface.register(SDPA, kvtrim_sdpa_attention)
     AttentionInterface.register(EAGER, kvtrim_eager_attention)
-    AttentionMaskInterface.register(SDPA, sdpa_mask)
-    AttentionMaskInterface.register(EAGER, eager_mask)
+    AttentionMaskInterface.register(SDPA, kvtrim_sdpa_mask)
+    AttentionMaskInterface.register(EAGER, kvtrim_eager_mask)
 
 
 def _implementation(model) -> str | None:

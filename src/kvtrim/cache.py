@@ -51,6 +51,60 @@ from kvtrim.storage import PaddedView, RaggedKV, keep_mask
 _PENDING_LAYER: ContextVar[weakref.ref | None] = ContextVar("kvtrim_pending_layer", default=None)
 
 
+# ---- the step's padding mask, recorded by kvtrim's mask builders ---------------------------------------
+# kvtrim's attention registers mask builders (`kvtrim.attention.register`) that record the forward's 2D
+# padding mask `(batch, seen + q)` here before building the stock mask; the first `TrimCache.update` of the
+# forward takes it (its last q columns: which of this step's tokens are real). Nothing recorded: the model
+# does not run kvtrim's attention (or got a prepared 4D mask), and the cache knows of no padding.
+_NOT_RECORDED = object()
+_PADDING_MASK: ContextVar[Any] = ContextVar("kvtrim_padding_mask", default=_NOT_RECORDED)
+
+
+def record_padding_mask(mask: torch.Tensor | None) -> None:
+    """Record this forward's 2D padding mask `(batch, kv)` (None: no padding). Called by kvtrim's mask builders."""
+    _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None)
+
+
+def _take_padding_mask() -> tuple[bool, torch.Tensor | None]:
+    """`(recorded, mask)`: the mask recorded for this forward, cleared once taken."""
+    mask = _PADDING_MASK.get()
+    if mask is _NOT_RECORDED:
+        return False, None
+    _PADDING_MASK.set(_NOT_RECORDED)
+    return True, mask
+
+
+@dataclass
+class _Sequences:
+    """A padded batch's per-sequence bookkeeping (`TrimLayer.seq`): the method runs once per sequence,
+    on what that sequence alone would show it (see `TrimLayer`).
+
+    states: the method's state per sequence; seen: real (non-pad) tokens seen per sequence; new: real
+    tokens of the current forward per sequence; prompt: each sequence's prompt length once it ended;
+    step_valid: `(batch, q)` bool, the real tokens of the current forward (None: all real)."""
+
+    states: list
+    seen: list[int]
+    new: list[int]
+    prompt: list[int] | None = None
+    step_valid: torch.Tensor | None = None
+
+    def select(self, rows: list[int]) -> _Sequences:
+        return _Sequences([copy.deepcopy(self.states[i]) for i in rows], [self.seen[i] for i in rows],
+                          [self.new[i] for i in rows], None if self.prompt is None else [self.prompt[i] for i in rows],
+                          None if self.step_valid is None else self.step_valid[rows])
+
+
+@dataclass
+class _PerSequence:
+    """The keep decisions of a padded batch's sequences (one per sequence, None = keep all), made on
+    `views` (batch-1 views of `padded`, the layer's padded view at decision time)."""
+
+    keeps: list
+    views: list
+    padded: PaddedView
+
+
 def _pending() -> TrimLayer | None:
     ref = _PENDING_LAYER.get()
     return None if ref is None else ref()
@@ -163,6 +217,8 @@ class TrimLayer(DynamicLayer):
         # a ragged layer's step, for kvtrim's attention: [padded view or None, query positions (b, q),
         # whether the storage still ends with this step's entries (nothing evicted since the append)]
         self._ragged_step: list | None = None
+        #: a padded batch's per-sequence bookkeeping (None: the batch's rows are processed together)
+        self.seq: _Sequences | None = None
 
     @property
     def owner(self) -> TrimCache | None:
@@ -222,16 +278,93 @@ class TrimLayer(DynamicLayer):
             valid=valid,
         )
 
+    @property
+    def per_sequence(self) -> bool:
+        """True for the layers of a padded batch: the method decides once per sequence (see `_decide`)."""
+        return self.seq is not None
+
+    def sequence_view(self, b: int, padded: PaddedView | None = None, queries=None,
+                      attention: torch.Tensor | None = None) -> LayerView:
+        """What sequence `b` of a padded batch would show the method alone: a batch-1 view of its stored
+        entries `(1, kv_heads, n_b, head_dim)` (dense when its heads hold equal counts, else with `valid`),
+        its own token counts (`seen`, `n_new`, `prompt_tokens`), its own state, and the queries /
+        probabilities of its real tokens only. `queries`: the forward's `(batch, q_heads, q, d)`, or a
+        list of per-sequence queries (a deferred prompt end)."""
+        check(self.seq is not None, "sequence_view is for the layers of a padded batch")
+        padded = padded if padded is not None else self.padded_view()
+        seq = self.seq
+        lengths = padded.lengths[b]
+        n = int(lengths.max()) if lengths.numel() else 0
+        keys = padded.keys[b : b + 1, :, :n].contiguous()
+        values = padded.values[b : b + 1, :, :n].contiguous()
+        positions = padded.positions[b : b + 1, :, :n].contiguous()
+        valid = None if bool((lengths == n).all()) else padded.valid[b : b + 1, :, :n].contiguous()
+        real = None if seq.step_valid is None else seq.step_valid[b]
+        queries = self._real_queries(b, queries)
+        if attention is not None:
+            attention = attention[b : b + 1, ..., :n]
+            if real is not None and attention.shape[2] == real.shape[0]:
+                attention = attention[:, :, real]
+        phase, ends, _, info = self._forward
+        return LayerView(
+            keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
+            seen=seq.seen[b], n_new=seq.new[b], phase=phase, prompt_end=ends,
+            prompt_tokens=None if seq.prompt is None else seq.prompt[b], state=seq.states[b], queries=queries,
+            attention=attention, scaling=self.attn_scaling, pass_info=info, valid=valid,
+        )
+
+    def _real_queries(self, b: int, queries):
+        """Sequence `b`'s queries `(1, q_heads, q_b, d)` of its real tokens (`queries`: the forward's, or a
+        list of per-sequence queries)."""
+        if isinstance(queries, list) or queries is None:
+            return None if queries is None else queries[b]
+        real = self.seq.step_valid
+        if real is None or queries.shape[2] != real.shape[1]:
+            return queries[b : b + 1]
+        return queries[b : b + 1, :, real[b]]
+
+    def _decide(self, hook: str, queries=None, attention: torch.Tensor | None = None):
+        """Call the method's `hook` (`on_update`, `on_attention`, `on_prompt_end`) and return its keep.
+
+        A padded batch: once per sequence, on `sequence_view(b)`, so each sequence is evicted exactly as
+        it would be alone (its own budget, `compression_ratio` of its own prompt, its own state); a
+        sequence without a real token in this forward is skipped (alone, it would not have run it),
+        unless the forward ends the prompt. Returns a `_PerSequence` (or None when every sequence keeps
+        everything)."""
+        if self.seq is None:
+            return getattr(self.method, hook)(self.view(queries=queries, attention=attention))
+        padded = self.padded_view()
+        ends = self._forward[1]
+        keeps, views = [], []
+        for b in range(padded.lengths.shape[0]):
+            if hook != "on_prompt_end" and self.seq.new[b] == 0 and not ends:
+                keeps.append(None)
+                views.append(None)
+                continue
+            view = self.sequence_view(b, padded, queries, attention)
+            keeps.append(getattr(self.method, hook)(view))
+            views.append(view)
+        return None if all(k is None for k in keeps) else _PerSequence(keeps, views, padded)
+
+    def _start_prompt_end(self) -> None:
+        """Mark the prompt ended (global and per-sequence counts)."""
+        self.prompt_tokens = self.seen
+        if self.seq is not None:
+            self.seq.prompt = list(self.seq.seen)
+
     def end_prompt(self) -> None:
         """End the prompt now (deferred end): one-shot methods compress what is stored. Idempotent."""
         if self.prompt_tokens is not None:
             return
-        self.prompt_tokens = self.seen
+        self._start_prompt_end()
         if not self.is_initialized:
             return
         self._forward = (Phase.PREFILL, True, 0, None)
+        if self.seq is not None:
+            self.seq.new = [0] * len(self.seq.new)
+            self.seq.step_valid = None
         queries, self._prompt_queries = self._prompt_queries, None
-        self.evict(self.method.on_prompt_end(self.view(queries=queries)))
+        self.evict(self._decide("on_prompt_end", queries=queries))
 
     # ---- the forward ---------------------------------------------------------------------------
     def update(
@@ -240,14 +373,23 @@ class TrimLayer(DynamicLayer):
         value_states: torch.Tensor,
         *args,
         positions: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `(batch, kv_heads, q, head_dim)` states; return the full states, keep the method's subset.
 
         `positions`: `(batch, q)` original positions of the new tokens (default: `seen + arange(q)`).
+        `valid`: `(batch, q)` bool, False for the pads of a padded batch (default: all real). A layer whose
+        first forward has pads is a padded batch's layer for good: ragged storage that never stores a pad,
+        the method run per sequence (`_decide`).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            if valid is not None:
+                self._start_padded(key_states)
+        elif valid is not None and self.seq is None:
+            raise KvtrimError("padding appeared after the first forward of this cache: pad the batch from its "
+                              "first forward (left padding, as transformers' generate does)")
         previous = _pending()
         unanswered = self._awaiting_attention or (
             previous is not None and previous is not self and previous._awaiting_attention
@@ -266,8 +408,14 @@ class TrimLayer(DynamicLayer):
         if positions is None:
             positions = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q)
         positions = positions[:, None, :].expand(b, h, q)
+        if self.seq is not None:
+            check(phase is not Phase.SCORE, "scoring passes are not supported on a padded batch")
+            real = valid.sum(-1).tolist() if valid is not None else [q] * b
+            self.seq.new = real
+            self.seq.seen = [s + n for s, n in zip(self.seq.seen, real)]
+            self.seq.step_valid = valid
         if self.is_ragged:
-            return self._update_ragged(key_states, value_states, positions, phase, ends, q, info)
+            return self._update_ragged(key_states, value_states, positions, phase, ends, q, info, valid)
         if phase is Phase.SCORE:  # attend to everything, store nothing, do not advance
             check(self.method.waits_for_attention, f"{type(self.method).__name__} has no scoring passes")
             self._scoring = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2),
@@ -283,7 +431,7 @@ class TrimLayer(DynamicLayer):
         self.seen += q
         self.peak = max(self.peak, self.keys.shape[-2])
         if ends:
-            self.prompt_tokens = self.seen
+            self._start_prompt_end()
         self._forward = (phase, ends, q, info)
         full_keys, full_values = self.keys, self.values
 
@@ -292,18 +440,27 @@ class TrimLayer(DynamicLayer):
         _PENDING_LAYER.set(weakref.ref(self))  # also lets kvtrim's attention check the layer kind
         return full_keys, full_values
 
-    def _update_ragged(self, key_states, value_states, positions, phase, ends, q, info):
+    def _start_padded(self, key_states: torch.Tensor) -> None:
+        """The first forward of a padded batch: ragged storage from the start (pads are never stored), and
+        per-sequence bookkeeping. Needs kvtrim's attention (whose mask builder reported the padding)."""
+        b, h, _, d = key_states.shape
+        self.storage = RaggedKV.empty(b, h, d, dtype=key_states.dtype, device=key_states.device)
+        self.keys = self.values = self.positions = None
+        self.seq = _Sequences([self.method.new_state(self.layer_idx) for _ in range(b)], [0] * b, [0] * b)
+        self.state = None
+
+    def _update_ragged(self, key_states, value_states, positions, phase, ends, q, info, valid=None):
         """`update` of a ragged layer: append to the storage, keep the step's padded view for kvtrim's
         attention (which must run: `_awaiting_attention` is always set), let the method decide."""
         check(phase is not Phase.SCORE, "scoring passes over a ragged cache layer are not supported")
-        self.storage.append(key_states, value_states, positions)
+        self.storage.append(key_states, value_states, positions, valid=valid)
         self.seen += q
         self.peak = max(self.peak, self.storage.width)
         if ends:
-            self.prompt_tokens = self.seen
+            self._start_prompt_end()
         self._forward = (phase, ends, q, info)
-        self._ragged_step = [None, positions[:, 0, :], True]
-        keep = self.method.on_update(self.view())
+        self._ragged_step = [None, positions[:, 0, :], True, valid]
+        keep = self._decide("on_update")
         if keep is not None:
             self.padded_view()  # attend, then evict: the step attends to the view taken before the eviction
             self._ragged_step[2] = False
@@ -313,15 +470,18 @@ class TrimLayer(DynamicLayer):
         view = self.padded_view()
         return view.keys, view.values
 
-    def take_ragged_step(self) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor] | None:
-        """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q))` of this
-        ragged step (the storage when it still ends with the step's entries: a varlen kernel may read it),
-        or None for a dense layer. The step is cleared by `after_attention` (the method's view reuses it)."""
+    def take_ragged_step(
+        self,
+    ) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor, torch.Tensor | None] | None:
+        """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q), real
+        queries (b, q) bool or None)` of this ragged step (the storage when it still ends with the step's
+        entries: a varlen kernel may read it), or None for a dense layer. The step is cleared by
+        `after_attention` (the method's view reuses it). Pad queries (False) see nothing."""
         step = self._ragged_step
         if step is None:
             return None
-        view, query_positions, intact = step
-        return view, (self.storage if intact else None), query_positions
+        view, query_positions, intact, query_valid = step
+        return view, (self.storage if intact else None), query_positions, query_valid
 
     @property
     def awaiting_attention(self) -> bool:
@@ -358,9 +518,15 @@ class TrimLayer(DynamicLayer):
             self._scoring = None
             return
         tail = self.method.prompt_queries()
-        if phase is Phase.PREFILL and not ends and tail and queries is not None:
-            self._prompt_queries = queries[:, :, -tail:]  # for a deferred end of the prompt
-        self.evict(self.method.on_attention(self.view(queries=queries, attention=attention)))
+        if phase is Phase.PREFILL and not ends and tail and queries is not None:  # for a deferred prompt end
+            if self.seq is None:
+                self._prompt_queries = queries[:, :, -tail:]
+            else:  # each sequence's own last real queries (a sequence without any in this forward keeps its own)
+                old = self._prompt_queries or [None] * queries.shape[0]
+                self._prompt_queries = [
+                    self._real_queries(b, queries)[:, :, -tail:] if n else old[b]
+                    for b, n in enumerate(self.seq.new)]
+        self.evict(self._decide("on_attention", queries=queries, attention=attention))
 
     def cancel_attention(self) -> None:
         """Stop waiting for an attention hand-off that will not come (e.g. a model without kvtrim attention)."""
@@ -376,6 +542,9 @@ class TrimLayer(DynamicLayer):
         -1. Unequal counts switch the layer to ragged storage (exactly the kept entries are copied into it);
         a ragged layer frees the evicted slots (`RaggedKV.evict`). Then the method's state."""
         if keep is None:
+            return
+        if isinstance(keep, _PerSequence):
+            self._evict_per_sequence(keep)
             return
         if self.is_ragged:
             self.storage.evict(keep)
@@ -401,6 +570,20 @@ class TrimLayer(DynamicLayer):
         self.values = select_rows(self.values, rows, keep.shape[-1])
         self.positions = self.positions.gather(2, keep)
         self._after_evict(keep)
+
+    def _evict_per_sequence(self, decided: _PerSequence) -> None:
+        """A padded batch: map each sequence's keep (over its batch-1 view) into one keep mask over the
+        padded view, evict, and reduce each sequence's state with its own keep."""
+        mask = decided.padded.valid.clone()
+        for b, (keep, view) in enumerate(zip(decided.keeps, decided.views)):
+            if keep is None:
+                continue
+            n = view.stored
+            mask[b, :, :n] = keep_mask(keep, view.lengths, n)[0]
+            mask[b, :, n:] = False
+            self.seq.states[b] = self.method.gather_state(self.seq.states[b], keep)
+        self.storage.evict(mask)
+        self.evictions += 1
 
     def _after_evict(self, keep: torch.Tensor) -> None:
         self.state = self.method.gather_state(self.state, keep)
@@ -470,7 +653,7 @@ class TrimLayer(DynamicLayer):
         self.seen = self.peak = self.evictions = 0
         self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
-        self._prompt_queries = self._scoring = None
+        self._prompt_queries = self._scoring = self.seq = None
         self.cancel_attention()
 
     def _map_batch(self, fn, rows) -> None:
@@ -482,6 +665,12 @@ class TrimLayer(DynamicLayer):
             self.storage.select_batch(rows())
         else:
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        if self.seq is not None:  # a padded batch: per-sequence state follows its sequence
+            picked = rows().tolist()
+            self.seq = self.seq.select(picked)
+            if self._prompt_queries is not None:
+                self._prompt_queries = [self._prompt_queries[i] for i in picked]
+            return
         self.state = _map_tensors(self.state, fn)
         if self._prompt_queries is not None:
             self._prompt_queries = fn(self._prompt_queries)
@@ -507,9 +696,10 @@ class TrimLayer(DynamicLayer):
         new._owner = None if owner is None else weakref.ref(owner)
         for name in ("keys", "values", "positions", "_prompt_queries", "storage"):
             value = getattr(self, name)
-            setattr(new, name, None if value is None else value.clone())
+            setattr(new, name, None if value is None else list(value) if isinstance(value, list) else value.clone())
         new._ragged_step = None
         new.state = copy.deepcopy(self.state)
+        new.seq = copy.deepcopy(self.seq)
         return new
 
 
@@ -595,8 +785,18 @@ class TrimCache(Cache):
         config: the model config. Needed for models with sliding-window layers (e.g. Gemma-3): those
             layers are left alone (they already bound themselves); only full-attention layers evict.
             Without it, every layer is created lazily as an evicting layer.
+        padded: treat the batch as a padded batch from its first forward even if that forward has no pads
+            (so that later forwards may bring some, e.g. questions of different lengths); default False:
+            a batch is padded when its first forward's attention mask has pads.
 
     Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))`.
+
+    Padded batches (`model.generate(ids, attention_mask=mask, cache=TrimCache(method))` with left padding,
+    or right padding in a prefill forward) need kvtrim's attention (`kvtrim.enable(model)` /
+    `kvtrim.load_model`), whose mask builder tells the cache which tokens are pads: pads are never stored
+    (every layer is ragged from the first forward), each sequence keeps its own positions, and the method
+    runs once per sequence on a batch-1 view of that sequence (`TrimLayer.sequence_view`): the kept
+    entries are those of the sequence run alone (budgets and `compression_ratio` per sequence).
 
     The prompt: everything before the first generated token, unless told otherwise. `kvtrim.prefill`
     and `kvtrim.compress` declare their forwards (`phase(...)`) and end the prompt themselves; after a
@@ -604,7 +804,11 @@ class TrimCache(Cache):
     `end_prompt()` is called. Later multi-token forwards are appends (a question, a new turn).
     """
 
-    def __init__(self, method: EvictionMethod | None = None, config=None):
+    def __init__(self, method: EvictionMethod | None = None, config=None, padded: bool = False):
+        check(isinstance(padded, bool), f"padded must be true or false, got {padded!r}")
+        #: True: a padded batch from the first forward even without pads in it (later forwards may bring
+        #: some: questions of different lengths after a compressed context); set by `kvtrim.compress`
+        self.padded = padded
         self.method = method if method is not None else FullCache()
         if not isinstance(self.method, EvictionMethod):
             raise KvtrimError(f"TrimCache expects an eviction method, got {type(self.method).__name__}")
@@ -625,6 +829,7 @@ class TrimCache(Cache):
             super().__init__(layer_class_to_replicate=DynamicLayer)  # only used for its bookkeeping
         self._step_key: tuple[int, int] | None = None
         self._step_positions: torch.Tensor | None = None
+        self._step_valid: torch.Tensor | None = None
         #: True once kvtrim's attention function ran on this cache (or the caller knows the model runs it:
         #: `kvtrim.prefill` / `kvtrim.compress`); a layer only turns ragged then (stock attention cannot mask it)
         self.kvtrim_attention = False
@@ -656,6 +861,9 @@ class TrimCache(Cache):
         """End the prompt now: one-shot methods compress what every layer stores (idempotent). A
         cross-layer method first decides every layer's kept entries at once (`select_layers`)."""
         layers = [layer for layer in self.trim_layers() if layer.prompt_tokens is None]
+        check(not (self.method.cross_layer and any(layer.per_sequence for layer in layers)),
+              f"{type(self.method).__name__} decides across layers, which is not supported on a padded batch yet: "
+              "run its sequences one at a time")
         if self.method.cross_layer and layers and all(layer.is_initialized for layer in layers):
             for layer in layers:
                 layer._forward = (Phase.PREFILL, True, 0, None)
@@ -686,35 +894,54 @@ class TrimCache(Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, TrimLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
-        positions = self._positions(layer, key_states, kwargs.get("kwargs") or {})
-        return layer.update(key_states, value_states, positions=positions)
+        positions, valid = self._step(layer, key_states, kwargs.get("kwargs") or {})
+        return layer.update(key_states, value_states, positions=positions, valid=valid)
 
-    def _positions(self, layer: TrimLayer, key_states: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
-        """True positions `(batch, q)` of the new tokens, validated once per forward pass.
+    def _step(self, layer: TrimLayer, key_states: torch.Tensor,
+              model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """True positions `(batch, q)` of the new tokens and which are real `(batch, q)` bool (None: all),
+        worked out once per forward pass.
 
-        The models hand their `position_ids` to `update`; `generate` derives them from the attention
-        mask, so a padded batch shows up as rows that differ or do not count up by one.
+        The models hand their `position_ids` to `update`; `generate` derives them from the attention mask
+        (each sequence of a left-padded batch counts from 0 at its first real token). Which tokens are
+        pads comes from the forward's 2D attention mask, recorded by kvtrim's mask builders (its last q
+        columns). Without that record (stock attention), rows whose positions differ or do not count up
+        by one are refused: a padded batch needs kvtrim's attention.
         """
         b, q = key_states.shape[0], key_states.shape[2]
         key = (layer.seen, q)
         if key == self._step_key and self._step_positions is not None:
-            return self._step_positions
+            return self._step_positions, self._step_valid
+        recorded, mask = _take_padding_mask()
+        valid = None
+        if mask is not None:
+            check(mask.shape[0] == b and mask.shape[-1] >= q,
+                  f"the attention mask {tuple(mask.shape)} does not cover this forward's {b} x {q} tokens")
+            valid = mask[:, -q:].to(device=key_states.device, dtype=torch.bool)
+            if bool(valid.all()):
+                valid = None
+        if valid is None and self.padded and not layer.is_initialized:
+            valid = torch.ones(b, q, dtype=torch.bool, device=key_states.device)  # per sequence from the start
+        padded = valid is not None or layer.per_sequence
         expected = torch.arange(layer.seen, layer.seen + q, device=key_states.device)
         positions = expected.expand(b, q)
         given = model_kwargs.get("position_ids")
         if isinstance(given, torch.Tensor) and given.ndim == 2 and given.shape[-1] == q:
             given = given.to(key_states.device).expand(b, q)
-            if not torch.equal(given, positions):
+            if padded:
+                positions = given
+            elif not torch.equal(given, positions):
                 rows_equal = bool((given == given[:1]).all())
                 counts_up = q == 1 or bool((given.diff(dim=-1) == 1).all())
                 if not (rows_equal and counts_up):
                     raise KvtrimError(
-                        "padded batches are not supported by TrimCache yet: pass batch size 1 or "
-                        "sequences of equal length without padding"
+                        "a padded batch (sequences with their own positions) needs kvtrim's attention function "
+                        "and the batch's attention_mask: call kvtrim.enable(model) or load the model with "
+                        "kvtrim.load_model()" + ("" if recorded else " (no kvtrim attention mask was built)")
                     )
                 positions = given
-        self._step_key, self._step_positions = key, positions
-        return positions
+        self._step_key, self._step_positions, self._step_valid = key, positions, valid
+        return positions, valid
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -737,13 +964,17 @@ class TrimCache(Cache):
                 b, h = rows.shape
                 head_dim = layer.storage.head_dim if layer.is_ragged else layer.keys.shape[-1]
                 element = layer.kv_tensors()[0].element_size()
-                bytes_full += b * h * layer.seen * head_dim * 2 * element
+                # a padded batch: the real tokens of each sequence (a full cache never stores the pads)
+                tokens = sum(layer.seq.seen) if layer.per_sequence else b * layer.seen
+                bytes_full += tokens * h * head_dim * 2 * element
                 if layer.is_ragged:
                     ragged.append(idx)
                     bookkeeping += layer.storage.bookkeeping_bytes()
                 else:
                     bookkeeping += _nbytes(layer.positions)
                 bookkeeping += sum(_nbytes(t) for t in _tensors(layer.state))
+                if layer.per_sequence:
+                    bookkeeping += sum(_nbytes(t) for t in _tensors(layer.seq.states))
             else:
                 kv = _nbytes(layer.keys) + _nbytes(layer.values)
                 allocated += _allocated((layer.keys, layer.values), storages)

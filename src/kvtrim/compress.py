@@ -28,7 +28,7 @@ from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.decoding import pad_token_id
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.methods.full import FullCache
-from kvtrim.prefill import prefill
+from kvtrim.prefill import as_sequences, padded_layout, prefill, prefill_padded
 
 
 class _QueryRecorder(FullCache):
@@ -56,6 +56,8 @@ class CompressedContext:
         logits: `(batch, vocab)` logits of the context's last token.
         one_shot_full: True when the context went through one forward into a full cache (then
             `recompress` can replay it for other methods).
+        attention_mask: `(batch, n)` for a padded batch of contexts (`context_ids` is then its layout,
+            see `kvtrim.prefill.padded_layout`), else None.
     """
 
     model: object
@@ -65,6 +67,7 @@ class CompressedContext:
     one_shot_full: bool = False
     prefill_seconds: float = 0.0  # the context's prefill (its forwards and the selection at the prompt's end)
     scoring_seconds: float = 0.0  # the method's scoring passes (KVzip's reconstruction), if any
+    attention_mask: torch.Tensor | None = None
 
     @property
     def method(self) -> EvictionMethod:
@@ -78,23 +81,35 @@ class CompressedContext:
         return self.cache.copy()
 
     @torch.no_grad()
-    def generate(self, question_ids: torch.Tensor, max_new_tokens: int = 32, cache: TrimCache | None = None,
-                 **generate_kwargs) -> torch.Tensor:
+    def generate(self, question_ids, max_new_tokens: int = 32, cache: TrimCache | None = None,
+                 attention_mask: torch.Tensor | None = None, **generate_kwargs) -> torch.Tensor:
         """Answer `question_ids` `(batch, m)`, m >= 1, from a copy of the compressed cache with the stock
         `model.generate` (greedy unless told otherwise). `cache`: continue in this cache instead (e.g.
-        `ctx.cache` itself, when no other question will follow). Returns the new ids `(batch, new_len)`."""
+        `ctx.cache` itself, when no other question will follow). Returns the new ids `(batch, new_len)`.
+
+        After a padded batch of contexts, questions of different lengths: a list of sequences (left-padded
+        here), or `(batch, m)` ids with their `attention_mask`; each sequence continues at its own position."""
+        check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
+              f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        model = self.model
+        if isinstance(question_ids, (list, tuple)) or attention_mask is not None:
+            check(self.attention_mask is not None, "questions of different lengths need a padded batch of contexts: "
+                                                   "kvtrim.compress(model, [context, ...], method)")
+            question_ids, attention_mask = padded_layout(as_sequences(question_ids, attention_mask), None,
+                                                         pad_token_id(model) or 0)[:2]
         check(isinstance(question_ids, torch.Tensor) and question_ids.ndim == 2,
               "question_ids must be a (batch, m) tensor of token ids")
         check(question_ids.shape[0] == self.context_ids.shape[0],
               f"question batch {question_ids.shape[0]} != context batch {self.context_ids.shape[0]}")
         check(question_ids.shape[-1] >= 1, "the question must have at least one token")
-        check(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
-              f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        model = self.model
         ids = torch.cat([self.context_ids, question_ids.to(self.context_ids.device)], dim=-1).to(model.device)
+        mask = torch.ones_like(ids)
+        if self.attention_mask is not None:
+            tail = torch.ones_like(question_ids) if attention_mask is None else attention_mask
+            mask = torch.cat([self.attention_mask, tail.to(self.attention_mask.device)], dim=-1).to(model.device)
         generate_kwargs.setdefault("do_sample", False)
         generate_kwargs.setdefault("pad_token_id", pad_token_id(model))
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache if cache is not None else self.new_cache(),
+        out = model.generate(ids, attention_mask=mask, cache=cache if cache is not None else self.new_cache(),
                              max_new_tokens=max_new_tokens, **generate_kwargs)
         return out[:, ids.shape[-1]:]
 
@@ -107,6 +122,7 @@ class CompressedContext:
         prefill every layer attends to the whole context whatever the method, so keys, values and
         queries are the same; the method only changes what is kept."""
         check(self.one_shot_full, "recompress needs a context prefilled in one forward into a full cache")
+        check(self.attention_mask is None, "recompress is not supported for a padded batch of contexts yet")
         check(not method.scoring_passes,
               f"{type(method).__name__} scores the context with its own passes: compress the context with it directly")
         check(method.prefill_block_size() is None,
@@ -135,13 +151,19 @@ class CompressedContext:
 @torch.no_grad()
 def compress(
     model,
-    context_ids: torch.Tensor,
+    context_ids,
     method: EvictionMethod,
     chunk_size: int | None | str = "auto",
     record_queries: bool = False,
     tokenizer=None,
+    attention_mask: torch.Tensor | None = None,
 ) -> CompressedContext:
     """Prefill `context_ids` `(batch, n)` into a `TrimCache(method)` and end the prompt (compressing it).
+
+    A padded batch: `context_ids` a list of sequences (1-D tensors or lists of ids), or `(batch, n)` ids
+    with an `attention_mask` that has pads (either side). Each context is then compressed as it would be
+    alone (its own blocks when block-wise: `kvtrim.prefill.padded_layout`; its own budget); the model must
+    run kvtrim's attention. Not for methods with scoring passes (KVzip) or cross-layer decisions yet.
 
     Methods with scoring passes (KVzip) then run them (`Phase.SCORE`: forwards that attend to the cache
     and store nothing) before the prompt ends; they need the model's `tokenizer` to build their inputs.
@@ -155,10 +177,12 @@ def compress(
             that `recompress` can serve methods that need them (the model must run kvtrim attention).
     """
     check(isinstance(method, EvictionMethod), f"compress needs an eviction method, got {type(method).__name__}")
-    check(isinstance(context_ids, torch.Tensor) and context_ids.ndim == 2 and context_ids.shape[-1] >= 1,
-          "context_ids must be a (batch, n) tensor of token ids with n >= 1")
     if chunk_size == "auto":
         chunk_size = method.prefill_block_size()
+    if isinstance(context_ids, (list, tuple)) or (attention_mask is not None and not bool(attention_mask.all())):
+        return _compress_padded(model, as_sequences(context_ids, attention_mask), method, chunk_size, record_queries)
+    check(isinstance(context_ids, torch.Tensor) and context_ids.ndim == 2 and context_ids.shape[-1] >= 1,
+          "context_ids must be a (batch, n) tensor of token ids with n >= 1")
     one_shot_full = type(method) is FullCache and (chunk_size is None or chunk_size >= context_ids.shape[-1])
     if record_queries:
         check(type(method) is FullCache, "record_queries=True is for a full cache (FullCache())")
@@ -177,6 +201,21 @@ def compress(
         cache.end_prompt()  # the selection: part of the prefill, as for every method
         prefill_seconds += time.perf_counter() - start
     return CompressedContext(model, cache, context_ids, logits, one_shot_full, prefill_seconds, scoring_seconds)
+
+
+def _compress_padded(model, sequences: list[torch.Tensor], method: EvictionMethod, chunk_size: int | None,
+                     record_queries: bool) -> CompressedContext:
+    """`compress` of a padded batch (see there)."""
+    name = type(method).__name__
+    check(not method.scoring_passes, f"{name} scores the context with its own passes, which is not supported on a "
+                                     "padded batch yet: compress each context alone")
+    check(not record_queries, "record_queries=True is not supported for a padded batch of contexts yet")
+    ids, mask, widths = padded_layout(sequences, chunk_size, pad_token_id(model) or 0)
+    cache = TrimCache(method, config=model.config, padded=True)
+    start = time.perf_counter()
+    logits = prefill_padded(model, ids, mask, widths, cache)
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    return CompressedContext(model, cache, ids, logits, False, time.perf_counter() - start, 0.0, mask)
 
 
 @torch.no_grad()

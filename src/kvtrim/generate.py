@@ -10,6 +10,7 @@ from kvtrim.cache import CacheStats, TrimCache
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.decoding import pad_token_id
 from kvtrim.models import check_fits
+from kvtrim.prefill import as_sequences, padded_layout, prefill_padded
 
 
 @dataclass
@@ -47,24 +48,35 @@ def generate(
     uses the method's block size when it has one (KeyDiff), so the prefill's memory stays bounded.
     Methods with scoring passes (KVzip) need the `tokenizer`: all but the last prompt token are
     compressed with `kvtrim.compress`, then generation continues from the last one.
+    A padded batch (`attention_mask=` with pads, left padding): each sequence is generated as alone; a
+    chunked prefill then gives each sequence its own blocks (`kvtrim.prefill.padded_layout`: all blocks
+    but the last through `prefill_padded`, the last by `generate`).
     Returns `(new_token_ids (batch, new_len), cache)`.
     """
     n = input_ids.shape[-1]
     check_fits(model.config, n, max_new_tokens)
+    mask = generate_kwargs.pop("attention_mask", None)
+    padded = mask is not None and not bool(mask.all())
     if cache is None and method is not None and method.scoring_passes and n >= 2:
         from kvtrim.compress import compress
 
-        ctx = compress(model, input_ids[:, :-1], method, chunk_size=prefill_chunk_size, tokenizer=tokenizer)
+        ctx = compress(model, input_ids[:, :-1], method, chunk_size=prefill_chunk_size, tokenizer=tokenizer,
+                       attention_mask=None if mask is None else mask[:, :-1])
         return ctx.generate(input_ids[:, -1:], max_new_tokens, cache=ctx.cache, **generate_kwargs), ctx.cache
     cache = cache if cache is not None else TrimCache(method, config=model.config)
     if prefill_chunk_size == "auto":
         prefill_chunk_size = cache.method.prefill_block_size()
-    if prefill_chunk_size is not None:
-        generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
-    generate_kwargs.setdefault("do_sample", False)
-    mask = generate_kwargs.pop("attention_mask", None)
     if mask is None:
         mask = torch.ones_like(input_ids)
+    if padded and prefill_chunk_size is not None:
+        input_ids, mask, widths = padded_layout(as_sequences(input_ids, mask), prefill_chunk_size,
+                                                pad_token_id(model) or 0)
+        n = input_ids.shape[-1]
+        if len(widths) > 1:
+            prefill_padded(model, input_ids, mask, widths[:-1], cache, end_prompt=False)
+    elif prefill_chunk_size is not None:
+        generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
+    generate_kwargs.setdefault("do_sample", False)
     out = model.generate(
         input_ids.to(model.device),
         attention_mask=mask.to(model.device),

@@ -85,7 +85,8 @@ def prefill(
     """Run `input_ids` `(batch, n)` through `model` into `cache`, one chunk per forward.
 
     Continues after whatever `cache` already holds (positions start at `cache.get_seq_length()`), so a
-    prompt can be fed in several calls. Batches must be unpadded (TrimCache refuses padding).
+    prompt can be fed in several calls. Batches must be unpadded: a padded batch goes through
+    `padded_layout` + `prefill_padded` (as `kvtrim.compress` does), which give each sequence its own blocks.
 
     Phases: while the cache's prompt is open, every chunk is a prompt block (`Phase.PREFILL`) and the last
     one ends the prompt (unless `end_prompt=False`: more of the prompt follows in another call), so
@@ -147,3 +148,89 @@ def prefill_lagkv(model, input_ids: torch.Tensor, cache: TrimCache) -> torch.Ten
     check(method.mode == "reference", "prefill_lagkv needs LagKV's reference mode (keep_ratio=), not compression_ratio")
     sizes = lagkv_chunk_sizes(input_ids.shape[-1], method.sink_size, method.lag_size)
     return prefill(model, input_ids, cache, chunk_sizes=sizes)
+
+
+# ---- padded batches --------------------------------------------------------------------------------
+def as_sequences(input_ids, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The real tokens of each sequence of a batch, as 1-D LongTensors.
+
+    `input_ids`: a list of sequences (1-D tensors or lists of ints), or a `(batch, n)` tensor with its
+    `attention_mask` `(batch, n)` (1 = token, 0 = pad; any side)."""
+    if isinstance(input_ids, (list, tuple)):
+        check(attention_mask is None, "a list of sequences carries its own lengths: pass no attention_mask")
+        check(len(input_ids) >= 1, "the batch is empty")
+        seqs = []
+        for i, s in enumerate(input_ids):
+            t = s if isinstance(s, torch.Tensor) else torch.tensor(list(s), dtype=torch.long)
+            check(t.ndim == 1 and not t.is_floating_point() and t.dtype != torch.bool,
+                  f"sequence {i} must be a 1-D list or tensor of token ids")
+            seqs.append(t.long())
+    else:
+        check(isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2, "input_ids must be a (batch, n) tensor")
+        check(isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape,
+              f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}")
+        seqs = [row[m.bool()] for row, m in zip(input_ids, attention_mask.to(input_ids.device))]
+    check(all(len(s) >= 1 for s in seqs), "every sequence needs at least one token")
+    return seqs
+
+
+def padded_layout(sequences: list[torch.Tensor], chunk_size: int | None,
+                  pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Lay a padded batch out for a block-wise prefill that gives every sequence its own blocks.
+
+    Each sequence is cut into blocks as alone (`chunk_size` tokens, the last one shorter); forward `t`
+    holds block `t - (C - c_b)` of sequence `b` (`c_b` its block count, `C` the largest), left-padded
+    to the forward's width: every sequence's last block falls in the last forward, and no forward
+    mixes one sequence's blocks. Returns `(input_ids (batch, T), attention_mask (batch, T), widths)`,
+    `widths` the columns of each forward (sum `T`). With `chunk_size=None`: one left-padded forward.
+    """
+    blocks = [_chunk_sizes(len(s), chunk_size, None) for s in sequences]
+    count = max(len(z) for z in blocks)
+    shifted = [[0] * (count - len(z)) + z for z in blocks]
+    widths = [max(z[t] for z in shifted) for t in range(count)]
+    total = sum(widths)
+    ids = torch.full((len(sequences), total), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), total, dtype=torch.long)
+    for b, (seq, z) in enumerate(zip(sequences, shifted)):
+        start = taken = 0
+        for width, size in zip(widths, z):
+            cols = slice(start + width - size, start + width)
+            ids[b, cols] = seq[taken : taken + size].to(ids.device)
+            mask[b, cols] = 1
+            start, taken = start + width, taken + size
+    return ids, mask, widths
+
+
+def layout_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's own positions `(batch, T)` (pads: 0), as `generate` derives them from the mask."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+@torch.no_grad()
+def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, widths: Sequence[int],
+                   cache: TrimCache, end_prompt: bool = True) -> torch.Tensor:
+    """Run the first `sum(widths)` columns of a `padded_layout` through `model` into a fresh `cache`, one
+    forward per width (prompt blocks; the last ends the prompt when `end_prompt`). Needs kvtrim's
+    attention (it tells the cache which tokens are pads). Returns the last column's logits `(batch, vocab)`."""
+    check(isinstance(cache, TrimCache), f"prefill needs a TrimCache, got {type(cache).__name__}")
+    check(is_enabled(model), "a padded batch needs kvtrim's attention function: call kvtrim.enable(model) or load "
+                             "the model with kvtrim.load_model()")
+    check(cache.get_seq_length() == 0, "a padded batch is prefilled into a fresh cache")
+    check(not cache.method.cross_layer,
+          f"{type(cache.method).__name__} decides across layers, which is not supported on a padded batch yet")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = int(attention_mask.sum(-1).max())
+    check(limit is None or longest <= limit, f"{longest} tokens exceed the model's context of {limit} tokens")
+    cache.padded = True
+    cache.kvtrim_attention = True
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+    positions = layout_positions(attention_mask)
+    start, out = 0, None
+    for i, width in enumerate(widths):
+        cols = slice(start, start + width)
+        ends = end_prompt and i == len(widths) - 1
+        with cache.phase(Phase.PREFILL, ends_prompt=ends):
+            out = model(input_ids=input_ids[:, cols], attention_mask=attention_mask[:, : start + width],
+                        position_ids=positions[:, cols], cache=cache, use_cache=True, logits_to_keep=1)
+        start += width
+    return None if out is None else out.logits[:, -1]
