@@ -224,3 +224,45 @@ def test_invocations_record_the_batch_size(monkeypatch, model, tok, tmp_path, ca
     runs = read_jsonl(os.path.join(out, "invocations.jsonl"))
     assert [r["batch_size"] for r in runs] == [2]
     assert "batches of 2" in open(os.path.join(out, "summary.md"), encoding="utf-8").read()
+
+
+# ---- padded batches -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ragged_samples(tok):
+    """Prompts and questions of different lengths (a padded batch)."""
+    samples = [_sample(0), _sample(1)]
+    samples.append(Sample(**{**vars(_sample(2)), "context": _sample(2).context + " and some more words here"}))
+    samples.append(Sample(**{**vars(_sample(3)), "context": _sample(3).context[:-40],
+                             "question": "Tell me: what is the pass key that was given?"}))
+    fmt = PromptFormat(tok)
+    lengths = [tuple(x.shape[-1] for x in fmt.encode(s)) for s in samples]
+    assert len({n for n, _ in lengths}) == 3 and len({m for _, m in lengths}) == 2, lengths  # the premise
+    return samples
+
+
+@pytest.mark.parametrize("compression", ["ratio", "at-budget"])
+def test_padded_batches_give_the_rows_of_batch_one(model, tok, ragged_samples, compression, tmp_path):
+    """Every registered method on prompts of different lengths; methods sized by `--compression ratio` or
+    an absolute budget share one configuration, so they run as one padded batch of 4 (where the method
+    can take one: KVzip's scoring passes cannot, it batches prompts of equal lengths only)."""
+    specs = _specs()
+    ratios, budgets = ((0.5,), ()) if compression == "ratio" else ((), (48,))
+    alone = _run(model, tok, ragged_samples, tmp_path / "b1", 1, specs, ratios, budgets, compression=compression)
+    batched = _run(model, tok, ragged_samples, tmp_path / "b4", 4, specs, ratios, budgets, compression=compression)
+    _assert_same_rows(batched, alone)
+    padded = {r["method_name"] for r in batched if r.get("batch_size") == 4}
+    assert len(padded) >= 6, padded
+    # KVzip: only its two samples of equal lengths share a batch
+    assert sorted(r.get("batch_size", 1) for r in batched if r["method_name"] == "kvzip") == [1, 1, 2, 2]
+    evicting = {r["method_name"] for r in alone if "skipped" not in r and r["achieved_compression"] > 0.3}
+    assert len(evicting & padded) >= 4, (evicting, padded)
+
+
+def test_padded_batches_query_aware_and_chunked(model, tok, ragged_samples, tmp_path):
+    specs = _specs(["full", "snapkv", "streaming", "keydiff", "lagkv"])
+    for name, settings in {"qa": dict(query_aware=True), "chunked": dict(prefill_chunk_size=64)}.items():
+        alone = _run(model, tok, ragged_samples, tmp_path / f"{name}1", 1, specs, (), (40,), **settings)
+        batched = _run(model, tok, ragged_samples, tmp_path / f"{name}4", 4, specs, (), (40,), **settings)
+        _assert_same_rows(batched, alone)
+        # LagKV's at-budget form (its keep_ratio) depends on the prompt's length: not one configuration
+        assert all(r.get("batch_size") == 4 for r in batched if r["method_name"] != "lagkv"), name

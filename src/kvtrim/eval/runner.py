@@ -39,13 +39,14 @@ import torch
 from kvtrim.attention import is_enabled
 from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.compress import CompressedContext, compress
-from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode, greedy_decode_batch
+from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode, greedy_decode_batch, pad_token_id
 from kvtrim.eval.jsonl import read_jsonl
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.sample import Sample
 from kvtrim.eval.scoring import score_prediction
 from kvtrim.methods.base import EvictionMethod, KvtrimError, check, kept_count
 from kvtrim.methods.full import FullCache
+from kvtrim.prefill import padded_layout
 from kvtrim.specs import MethodSpec
 
 RESULTS = "results.jsonl"
@@ -301,22 +302,30 @@ class Runner:
         compressed = [encoded[job.sample.id][0] for job in jobs]
         after = [encoded[job.sample.id][1] for job in jobs]
         n, m = [c.shape[-1] for c in compressed], [a.shape[-1] for a in after]
-        check(len(set(n)) == 1 and len(set(m)) == 1, "a batch of prompts of unequal lengths needs padding")
+        padded = len(set(n)) > 1 or len(set(m)) > 1  # each sequence alone in a padded batch (`kvtrim.compress`)
+        check(not padded or self._pads(method), f"{type(method).__name__} cannot run a padded batch")
         rows = [self._row(job, n[i], m[i]) for i, job in enumerate(jobs)]
         for row in rows:
             row["method_config"] = method.describe()
         start = time.perf_counter()
-        reused = shared is not None and self._can_reuse(method, shared)
+        reused = shared is not None and not padded and self._can_reuse(method, shared)
+        chunk = self.settings.prefill_chunk_size or "auto"
         if reused:
             ctx = shared.recompress(method)
+        elif padded:
+            ctx = compress(self.model, [c[0] for c in compressed], method, chunk_size=chunk, tokenizer=self.tokenizer)
         else:
-            ctx = compress(self.model, torch.cat(compressed), method,
-                           chunk_size=self.settings.prefill_chunk_size or "auto", tokenizer=self.tokenizer)
-        cache, logits = ctx.cache, ctx.logits
+            ctx = compress(self.model, torch.cat(compressed), method, chunk_size=chunk, tokenizer=self.tokenizer)
+        cache, logits, mask = ctx.cache, ctx.logits, ctx.attention_mask
         seen = list(n)  # tokens each sequence has seen
         stats = [RowStats.of_row(cache, i, seen[i]) for i in range(b)]
-        if m[0]:
-            logits = forward_last_logits(self.model, torch.cat(after), cache)
+        if max(m):
+            if padded:  # the questions left-padded after the contexts' layout
+                ids, question_mask, _ = padded_layout([a[0] for a in after], None, pad_token_id(self.model) or 0)
+                mask = torch.cat([mask, question_mask.to(mask.device)], dim=-1)
+                logits = forward_last_logits(self.model, ids, cache, mask)
+            else:
+                logits = forward_last_logits(self.model, torch.cat(after), cache)
             seen = [s + k for s, k in zip(seen, m)]
         budgets = [sample_budget(job.sample, self.settings.max_new_tokens) for job in jobs]
         done = [self._done(job.sample) for job in jobs]
@@ -331,7 +340,7 @@ class Runner:
         def finished(i: int) -> None:
             final[i] = RowStats.of_row(cache, i, seen[i])
 
-        tokens = greedy_decode_batch(self.model, cache, logits, budgets, self._stop, done, watch, finished)
+        tokens = greedy_decode_batch(self.model, cache, logits, budgets, self._stop, done, watch, finished, mask)
         seconds = (time.perf_counter() - start) / b  # each row's share of the batch
         out = []
         for i, job in enumerate(jobs):
@@ -396,8 +405,10 @@ class Runner:
         """The rows of several samples' pending jobs, cell (method and setting) by cell in plan order.
 
         A cell's jobs run in batches of the samples whose method is configured identically
-        (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length) and
-        whose prompts have the same lengths; a lone one runs as `run_job`. With prefill reuse, the
+        (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length, so
+        `--budgets` and `--compression ratio` batch more); prompts of different lengths make a padded
+        batch where the method can take one (`_pads`), else only prompts of equal lengths batch. A lone
+        job runs as `run_job`. With prefill reuse, the
         samples' contexts are prefilled once together when they can be and two or more cells replay it."""
         samples = list({job.sample.id: job.sample for job in unit}.values())
         for sample in samples:
@@ -416,7 +427,10 @@ class Runner:
                 except KvtrimError:
                     batches.append(([job], None))  # recorded as skipped by run_job
                     continue
-                key = (method.describe(), compressed.shape[-1], after.shape[-1])
+                # prompts of other lengths make a padded batch, where the method can take one; a one-token
+                # question is a decode step alone (an append in a batch with longer ones): kept apart
+                n, m = compressed.shape[-1], after.shape[-1]
+                key = (method.describe(), m == 1) if self._pads(method) else (method.describe(), n, m)
                 groups.setdefault(key, ([], method))[0].append(job)
             for group, method in groups.values():
                 for at in range(0, len(group), self.settings.batch_size):
@@ -431,13 +445,18 @@ class Runner:
             yield from self.run_batch(jobs, method, encoded, shared if ids == together else None)
         del shared
 
+    def _pads(self, method: EvictionMethod) -> bool:
+        """True when `method` can run a padded batch (`kvtrim.compress` of a list of contexts): kvtrim's
+        attention, no scoring passes, no decisions across layers."""
+        return is_enabled(self.model) and not method.scoring_passes and not method.cross_layer
+
     def _shared_batch(self, samples: list[Sample], encoded: dict, batches: list) -> tuple[CompressedContext | None, list[str]]:
         """The shared prefill of a batched unit: all its samples' contexts in one full-cache forward, when
-        they have one length and two or more batches covering all of them can replay it; and the sample
+        their prompts have equal lengths (a padded batch is compressed by each method itself) and two or more batches covering all of them can replay it; and the sample
         ids it holds, in order."""
         ids = [s.id for s in samples]
-        n = {encoded[i][0].shape[-1] for i in ids}
-        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None or len(n) > 1:
+        lengths = {(encoded[i][0].shape[-1], encoded[i][1].shape[-1]) for i in ids}
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None or len(lengths) > 1:
             return None, []
         methods = [method for jobs, method in batches
                    if method is not None and [job.sample.id for job in jobs] == ids and self._reusable(method)]
