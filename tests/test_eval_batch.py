@@ -247,8 +247,9 @@ def test_padded_batches_give_the_rows_of_batch_one(model, tok, ragged_samples, c
     can take one: KVzip's scoring passes cannot, it batches prompts of equal lengths only)."""
     specs = _specs()
     ratios, budgets = ((0.5,), ()) if compression == "ratio" else ((), (48,))
-    alone = _run(model, tok, ragged_samples, tmp_path / "b1", 1, specs, ratios, budgets, compression=compression)
-    batched = _run(model, tok, ragged_samples, tmp_path / "b4", 4, specs, ratios, budgets, compression=compression)
+    settings = dict(compression=compression, reuse_prefill=False)  # with reuse, see the next test
+    alone = _run(model, tok, ragged_samples, tmp_path / "b1", 1, specs, ratios, budgets, **settings)
+    batched = _run(model, tok, ragged_samples, tmp_path / "b4", 4, specs, ratios, budgets, **settings)
     _assert_same_rows(batched, alone)
     padded = {r["method_name"] for r in batched if r.get("batch_size") == 4}
     assert len(padded) >= 6, padded
@@ -258,11 +259,48 @@ def test_padded_batches_give_the_rows_of_batch_one(model, tok, ragged_samples, c
     assert len(evicting & padded) >= 4, (evicting, padded)
 
 
+def test_with_prefill_reuse_replaying_methods_run_alone_in_a_padded_unit(model, tok, ragged_samples, tmp_path):
+    """A padded batch is prefilled by its method itself: methods that replay a shared prefill would lose
+    it, so they run one sample at a time (replaying it, as batch 1 does); block-wise ones batch."""
+    specs = _specs(["full", "snapkv", "streaming", "keydiff"])
+    alone = _run(model, tok, ragged_samples, tmp_path / "b1", 1, specs, (), (48,))
+    batched = _run(model, tok, ragged_samples, tmp_path / "b4", 4, specs, (), (48,))
+    _assert_same_rows(batched, alone)
+    for row in batched:
+        if row["method_name"] == "keydiff":  # block-wise: nothing to replay
+            assert row.get("batch_size") == 4 and not row["prefill_reused"]
+        else:
+            assert "batch_size" not in row and row["prefill_reused"], row["key"]
+
+
 def test_padded_batches_query_aware_and_chunked(model, tok, ragged_samples, tmp_path):
     specs = _specs(["full", "snapkv", "streaming", "keydiff", "lagkv"])
-    for name, settings in {"qa": dict(query_aware=True), "chunked": dict(prefill_chunk_size=64)}.items():
+    for name, settings in {"qa": dict(query_aware=True, reuse_prefill=False),
+                           "chunked": dict(prefill_chunk_size=64)}.items():
         alone = _run(model, tok, ragged_samples, tmp_path / f"{name}1", 1, specs, (), (40,), **settings)
         batched = _run(model, tok, ragged_samples, tmp_path / f"{name}4", 4, specs, (), (40,), **settings)
         _assert_same_rows(batched, alone)
         # LagKV's at-budget form (its keep_ratio) depends on the prompt's length: not one configuration
         assert all(r.get("batch_size") == 4 for r in batched if r["method_name"] != "lagkv"), name
+
+
+@pytest.mark.integration
+def test_real_model_padded_batch_gives_the_rows_of_batch_one(smollm, tmp_path):
+    """SmolLM2 (float32): a NIAH depth grid (prompts of different lengths) in one padded batch of 4 per
+    method gives the rows of one sample at a time (answers, scores, cache statistics)."""
+    from kvtrim.eval.tasks import generate_samples
+
+    model, tok = smollm
+    enable(model)
+    samples = generate_samples("niah", PromptFormat(tok), 300, 1, seed=0, depths=(0.0, 0.3, 0.6, 1.0))
+    assert len({PromptFormat(tok).encode(s)[0].shape[-1] for s in samples}) > 1  # padded
+    specs = _specs(["full", "snapkv", "streaming"])
+    rows = {}
+    for size in (1, 4):  # no reuse: every method in padded batches (see the replay rule)
+        settings = RunSettings(model="smollm2-135m", max_new_tokens=10, batch_size=size, reuse_prefill=False)
+        rows[size] = Runner(model, tok, settings, str(tmp_path / str(size)), progress=False).run(
+            plan(samples, specs, [], [48]))
+    _assert_same_rows(rows[4], rows[1])
+    assert all(r.get("batch_size") == 4 for r in rows[4])
+    assert sum(r["score"] for r in rows[1] if r["method"] == "full") >= 3  # the model answers: a real test
+    assert any(r["achieved_compression"] > 0.5 for r in rows[1])

@@ -189,10 +189,11 @@ class RowStats:
         return cls(stored, full, sum(means) / max(1, len(means)))
 
     @staticmethod
-    def largest_layer(cache: TrimCache, i: int) -> int:
-        """Entries of sequence `i` in its fullest layer and kv_head (`max(stats().stored_per_layer)` of a
+    def largest_layers(cache: TrimCache) -> list[int]:
+        """Per sequence, its entries in its fullest layer and kv_head (`max(stats().stored_per_layer)` of a
         cache holding that sequence alone)."""
-        return max(max(rows[i]) for rows in cache.stats().lengths_per_layer)
+        layers = cache.stats().lengths_per_layer
+        return [max(max(rows[i]) for rows in layers) for i in range(len(layers[0]))]
 
 
 @dataclass
@@ -329,13 +330,14 @@ class Runner:
             seen = [s + k for s, k in zip(seen, m)]
         budgets = [sample_budget(job.sample, self.settings.max_new_tokens) for job in jobs]
         done = [self._done(job.sample) for job in jobs]
-        trace = [[RowStats.largest_layer(cache, i)] for i in range(b)]
+        trace = [[largest] for largest in RowStats.largest_layers(cache)]
         final: dict[int, RowStats] = {}
 
         def watch(fed: list[int]) -> None:
+            largest = RowStats.largest_layers(cache)
             for i in fed:
                 seen[i] += 1
-                trace[i].append(RowStats.largest_layer(cache, i))
+                trace[i].append(largest[i])
 
         def finished(i: int) -> None:
             final[i] = RowStats.of_row(cache, i, seen[i])
@@ -376,9 +378,9 @@ class Runner:
 
     # ---- the sweep ---------------------------------------------------------------------------
     def run_unit(self, unit: list[Job]) -> Iterator[dict]:
-        """The rows of one unit of work, in order: the pending jobs of one sample (they share its prefill),
+        """The rows of one unit of work: the pending jobs of one sample (they share its prefill), in order,
         or with `batch_size` > 1 those of up to `batch_size` samples of one task and length (`pending_units`),
-        run cell by cell in batches (`run_batched_unit`).
+        run in batches (`run_batched_unit`).
 
         A unit is what `kvtrim eval --ray` sends to one worker (`kvtrim.eval.ray_sweep`)."""
         if len({job.sample.id for job in unit}) > 1:
@@ -386,11 +388,14 @@ class Runner:
             return
         sample = unit[0].sample
         check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
-        compressed, after = self.encode(sample)
-        want, queries = self._wants_shared(unit, compressed.shape[-1])
+        yield from self._run_sample(unit, *self.encode(sample))
+
+    def _run_sample(self, jobs: list[Job], compressed: torch.Tensor, after: torch.Tensor) -> Iterator[dict]:
+        """One sample's jobs, one at a time, replaying its shared prefill where two or more can."""
+        want, queries = self._wants_shared(jobs, compressed.shape[-1])
         self._shared_queries = queries
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
-        for job in unit:
+        for job in jobs:
             self._show(job)
             yield self.run_job(job, compressed, after, shared)
         del shared
@@ -402,14 +407,16 @@ class Runner:
             self._bar.set_postfix_str(f"{job.sample.task} {job.spec.label} {setting}{batch}", refresh=False)
 
     def run_batched_unit(self, unit: list[Job]) -> Iterator[dict]:
-        """The rows of several samples' pending jobs, cell (method and setting) by cell in plan order.
+        """The rows of several samples' pending jobs: cell (method and setting) by cell in plan order, in
+        batches; then the jobs left alone, sample by sample as `run_unit` runs them.
 
         A cell's jobs run in batches of the samples whose method is configured identically
         (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length, so
-        `--budgets` and `--compression ratio` batch more); prompts of different lengths make a padded
-        batch where the method can take one (`_pads`), else only prompts of equal lengths batch. A lone
-        job runs as `run_job`. With prefill reuse, the
-        samples' contexts are prefilled once together when they can be and two or more cells replay it."""
+        `--budgets` and `--compression ratio` batch more). Prompts of different lengths make a padded
+        batch where the method can take one (`_pads`) and would not rather replay a shared prefill (a
+        padded batch is prefilled by each method anew: `CompressedContext.recompress` does not take one
+        yet), else only prompts of equal lengths batch; samples of equal lengths are prefilled once
+        together for the batches that replay it."""
         samples = list({job.sample.id: job.sample for job in unit}.values())
         for sample in samples:
             check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
@@ -417,33 +424,55 @@ class Runner:
         cells: dict[tuple, list[Job]] = {}
         for job in unit:
             cells.setdefault((job.spec.label, job.compression_ratio, job.budget), []).append(job)
-        batches: list[tuple[list[Job], EvictionMethod | None]] = []  # (jobs, their method; None: run alone)
+        built: dict[str, EvictionMethod | None] = {}
+        for job in unit:
+            try:
+                built[job.key] = self.build(job, encoded[job.sample.id][0].shape[-1])
+            except KvtrimError:
+                built[job.key] = None  # recorded as skipped by run_job
+        replay = self.settings.reuse_prefill and sum(
+            any(built[job.key] is not None and self._reusable(built[job.key]) for job in jobs)
+            for jobs in cells.values()) >= 2
+        equal = len({tuple(x.shape[-1] for x in encoded[s.id]) for s in samples}) == 1  # no padding
+        batches: list[tuple[list[Job], EvictionMethod]] = []
+        alone: list[Job] = []
         for jobs in cells.values():
             groups: dict[tuple, tuple[list[Job], EvictionMethod]] = {}
             for job in jobs:
-                compressed, after = encoded[job.sample.id]
-                try:
-                    method = self.build(job, compressed.shape[-1])
-                except KvtrimError:
-                    batches.append(([job], None))  # recorded as skipped by run_job
+                method = built[job.key]
+                if method is None:
+                    alone.append(job)
                     continue
-                # prompts of other lengths make a padded batch, where the method can take one; a one-token
-                # question is a decode step alone (an append in a batch with longer ones): kept apart
-                n, m = compressed.shape[-1], after.shape[-1]
-                key = (method.describe(), m == 1) if self._pads(method) else (method.describe(), n, m)
+                # a one-token question is a decode step alone (an append in a batch with longer ones): apart
+                n, m = (x.shape[-1] for x in encoded[job.sample.id])
+                if replay and self._reusable(method):  # batched only with the samples' shared prefill
+                    if not equal:
+                        alone.append(job)
+                        continue
+                    key = (method.describe(),)
+                elif self._pads(method):
+                    key = (method.describe(), m == 1)
+                else:
+                    key = (method.describe(), n, m)
                 groups.setdefault(key, ([], method))[0].append(job)
             for group, method in groups.values():
                 for at in range(0, len(group), self.settings.batch_size):
-                    batches.append((group[at:at + self.settings.batch_size], method))
+                    batch = group[at:at + self.settings.batch_size]
+                    if len(batch) > 1:
+                        batches.append((batch, method))
+                    else:
+                        alone += batch
         shared, together = self._shared_batch(samples, encoded, batches)
         for jobs, method in batches:
             self._show(jobs[0], len(jobs))
-            if method is None or len(jobs) == 1:
-                yield self.run_job(jobs[0], *encoded[jobs[0].sample.id], None)
-                continue
             ids = [job.sample.id for job in jobs]
             yield from self.run_batch(jobs, method, encoded, shared if ids == together else None)
         del shared
+        by_sample: dict[str, list[Job]] = {}
+        for job in alone:
+            by_sample.setdefault(job.sample.id, []).append(job)
+        for sample_id, jobs in by_sample.items():
+            yield from self._run_sample(jobs, *encoded[sample_id])
 
     def _pads(self, method: EvictionMethod) -> bool:
         """True when `method` can run a padded batch (`kvtrim.compress` of a list of contexts): kvtrim's
