@@ -413,10 +413,11 @@ class Runner:
         A cell's jobs run in batches of the samples whose method is configured identically
         (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length, so
         `--budgets` and `--compression ratio` batch more). Prompts of different lengths make a padded
-        batch where the method can take one (`_pads`) and would not rather replay a shared prefill (a
-        padded batch is prefilled by each method anew: `CompressedContext.recompress` does not take one
-        yet), else only prompts of equal lengths batch; samples of equal lengths are prefilled once
-        together for the batches that replay it."""
+        batch where the method can take one (`_pads`), else only prompts of equal lengths batch. With
+        prefill reuse, methods that replay a shared prefill batch only when all the unit's prompts have
+        equal lengths (their contexts are then prefilled once together); otherwise they run one sample at a
+        time, replaying its prefill as batch 1 does (a padded batch would be prefilled by each method
+        anew: `CompressedContext.recompress` does not take a padded batch yet)."""
         samples = list({job.sample.id: job.sample for job in unit}.values())
         for sample in samples:
             check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
@@ -443,14 +444,13 @@ class Runner:
                 if method is None:
                     alone.append(job)
                     continue
-                # a one-token question is a decode step alone (an append in a batch with longer ones): apart
                 n, m = (x.shape[-1] for x in encoded[job.sample.id])
                 if replay and self._reusable(method):  # batched only with the samples' shared prefill
                     if not equal:
                         alone.append(job)
                         continue
                     key = (method.describe(),)
-                elif self._pads(method):
+                elif self._pads(method):  # a one-token question is a decode step alone, not an append: apart
                     key = (method.describe(), m == 1)
                 else:
                     key = (method.describe(), n, m)
@@ -481,8 +481,8 @@ class Runner:
 
     def _shared_batch(self, samples: list[Sample], encoded: dict, batches: list) -> tuple[CompressedContext | None, list[str]]:
         """The shared prefill of a batched unit: all its samples' contexts in one full-cache forward, when
-        their prompts have equal lengths (a padded batch is compressed by each method itself) and two or more batches covering all of them can replay it; and the sample
-        ids it holds, in order."""
+        their prompts have equal lengths (no padding) and two or more batches covering all of them replay
+        it; and the sample ids it holds, in order."""
         ids = [s.id for s in samples]
         lengths = {(encoded[i][0].shape[-1], encoded[i][1].shape[-1]) for i in ids}
         if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None or len(lengths) > 1:
