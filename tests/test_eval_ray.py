@@ -181,3 +181,15 @@ def test_torch_threads_unchanged_in_the_driver(cluster, jobs, tmp_path):
     before = torch.get_num_threads()
     RaySweep(TinyLoader(), SETTINGS, str(tmp_path), RayOptions(workers=1), progress=False).run(jobs[:1])
     assert torch.get_num_threads() == before
+
+
+def test_batched_units_write_the_single_process_rows(cluster, jobs, reference, tmp_path):
+    """`--batch-size 2 --ray`: a unit holds two samples' jobs (run in batches in the worker); same rows."""
+    from kvtrim.eval.runner import pending_units
+
+    batched = dataclasses.replace(SETTINGS, batch_size=2)
+    assert [len({job.sample.id for job in unit}) for unit in pending_units(str(tmp_path), jobs, 2)] == [2, 2]
+    sweep = RaySweep(TinyLoader(), batched, str(tmp_path), RayOptions(workers=2), progress=False)
+    rows = [{k: v for k, v in row.items() if k != "batch_size"} for row in sweep.run(jobs)]
+    assert _content(rows) == _content(reference)
+    assert sweep.rows_written == len(jobs)

@@ -51,6 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="compress the question with the context (default: query-agnostic, the question comes after)")
     p.add_argument("--max-new-tokens", type=int, help="cap on every task's own max_new_tokens")
     p.add_argument("--prefill-chunk-size", type=int, help="chunked prefill for every method (disables prefill reuse)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="sequences per batched forward: the samples of one task and length that share a method's "
+                        "configuration are compressed and answered together (default 1; the rows do not change)")
     p.add_argument("--no-reuse", action="store_true", help="prefill every (method, ratio) anew instead of replaying")
     p.add_argument("--full-answers", action="store_true",
                    help="decode every answer to EOS or the token cap (default: stop once the answer holds every "
@@ -122,6 +125,7 @@ def _validate(cfg: dict, args) -> None:
         check(all(0 <= d <= 1 for d in cfg["depths"]), f"--depths must be in [0, 1], got {cfg['depths']}")
     if cfg["max_new_tokens"] is not None:
         check(cfg["max_new_tokens"] >= 1, f"--max-new-tokens must be >= 1, got {cfg['max_new_tokens']}")
+    check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     if args.prefill_chunk_size is not None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
@@ -181,7 +185,7 @@ INVOCATIONS = "invocations.jsonl"
 
 
 def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupted: bool = False,
-                    ray: dict | None = None) -> None:
+                    ray: dict | None = None, batch_size: int = 1) -> None:
     """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several; an interrupted
     one is recorded too, marked `"interrupted": true`; a `--ray` one records its workers: the CPU time is
     the driver's only)."""
@@ -190,7 +194,7 @@ def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupte
     from kvtrim.eval.jsonl import append_jsonl
 
     record = {"command": "kvtrim eval " + " ".join(sys.argv[2:]), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-              "torch_threads": torch.get_num_threads(), "rows_run": rows_run, "interrupted": interrupted,
+              "torch_threads": torch.get_num_threads(), "rows_run": rows_run, "batch_size": batch_size, "interrupted": interrupted,
               "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if ray is not None:
         record["ray"] = ray
@@ -204,6 +208,7 @@ def _timing_lines(out: str) -> list[str]:
     for r in read_jsonl(os.path.join(out, INVOCATIONS)):
         lines.append(f"- `{r['command']}`: {r['rows_run']} rows in {r['wall_s'] / 60:.1f} min wall "
                      f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}"
+                     + (f", batches of {r['batch_size']}" if r.get("batch_size", 1) > 1 else "")
                      + (f", Ray: {r['ray']['workers_started']} worker(s)" if r.get("ray") else "")
                      + (" (interrupted)" if r.get("interrupted") else ""))
     return lines
@@ -266,7 +271,7 @@ def cmd_eval(args) -> int:
         model=cfg["model"], dtype=cfg["dtype"], chat=not args.raw, query_aware=cfg["query_aware"],
         compression=cfg["compression"], max_new_tokens=cfg["max_new_tokens"],
         prefill_chunk_size=args.prefill_chunk_size, reuse_prefill=not args.no_reuse,
-        stop_when_answered=not args.full_answers,
+        stop_when_answered=not args.full_answers, batch_size=args.batch_size,
     )
     check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
     torch.manual_seed(args.seed)
@@ -286,7 +291,7 @@ def cmd_eval(args) -> int:
         finished = True
     finally:
         _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
-                        interrupted=not finished, ray=getattr(runner, "summary", None))
+                        interrupted=not finished, ray=getattr(runner, "summary", None), batch_size=args.batch_size)
     files = write_report(rows, out, _header(cfg, args, out, len(samples)), not args.no_plots,
                          method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"

@@ -1,7 +1,8 @@
 """`kvtrim eval --ray`: the sweep's units spread over Ray workers (plumbing in `kvtrim.ray_cluster`).
 
 A unit is one sample's pending jobs (its prefill and every (method, ratio) run that reuses it, see
-`Runner.run_unit`). Each worker is a Ray actor holding one `Runner`: it loads the model once (on its
+`Runner.run_unit`), or with `--batch-size N` those of up to N samples of one task and length, run in
+batches. Each worker is a Ray actor holding one `Runner`: it loads the model once (on its
 first unit) and then runs units one at a time. The driver keeps every worker busy with the next unit in
 plan order as soon as it returns one (dynamic scheduling: fast and slow units balance), and is the only
 writer of `results.jsonl`: a unit's rows are appended when the unit returns, skipping a key already in
@@ -76,7 +77,7 @@ class RaySweep:
 
     def run(self, jobs: list[Job]) -> list[dict]:
         check_run_settings(self.out_dir, self.settings)
-        units = pending_units(self.out_dir, jobs)
+        units = pending_units(self.out_dir, jobs, self.settings.batch_size)
         if not units:
             return load_rows(self.out_dir)
         with connected(self.options) as ray:
@@ -108,9 +109,14 @@ class RaySweep:
                                                           self.plugins),
                           lambda worker, unit: worker.run_unit.remote(unit), units,
                           worker_count(ray, opt, len(units)), on_result,
-                          lambda unit: f"sample {unit[0].sample.id}", self.stats)
+                          _unit_label, self.stats)
         finally:
             bar.close()
+
+
+def _unit_label(unit: list[Job]) -> str:
+    ids = list(dict.fromkeys(job.sample.id for job in unit))
+    return f"sample {ids[0]}" if len(ids) == 1 else f"samples {', '.join(ids)}"
 
 
 __all__ = ["MAX_ATTEMPTS", "ModelLoader", "RayOptions", "RaySweep", "SweepWorker"]

@@ -37,14 +37,16 @@ from typing import Iterator
 import torch
 
 from kvtrim.attention import is_enabled
+from kvtrim.cache import CacheStats, TrimCache, TrimLayer
 from kvtrim.compress import CompressedContext, compress
-from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode
+from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode, greedy_decode_batch, pad_token_id
 from kvtrim.eval.jsonl import read_jsonl
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.sample import Sample
 from kvtrim.eval.scoring import score_prediction
 from kvtrim.methods.base import EvictionMethod, KvtrimError, check, kept_count
 from kvtrim.methods.full import FullCache
+from kvtrim.prefill import padded_layout
 from kvtrim.specs import MethodSpec
 
 RESULTS = "results.jsonl"
@@ -66,6 +68,9 @@ class RunSettings:
     # stop decoding once the answer holds every reference: string_match / passkey scores cannot change
     # after that (containment survives appended text), only the stored prediction is shorter
     stop_when_answered: bool = True
+    # sequences per batched forward (`--batch-size`); does not change the rows (exact in float32), so a
+    # run may resume with another batch size
+    batch_size: int = 1
 
 
 @dataclass
@@ -108,6 +113,9 @@ def check_sample_fits(fmt: PromptFormat, sample: Sample, cap: int | None, limit:
                          f"context of {limit}")
 
 
+_NOT_RESULTS = ("reuse_prefill", "batch_size")  # settings that change how rows are computed, not the rows
+
+
 def check_run_settings(out_dir: str, settings: RunSettings) -> None:
     """Create `run.json`, or refuse to mix results made with other settings into `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
@@ -116,7 +124,7 @@ def check_run_settings(out_dir: str, settings: RunSettings) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
-        diff = [k for k in current if k != "reuse_prefill" and previous.get(k) != current[k]]
+        diff = [k for k in current if k not in _NOT_RESULTS and previous.get(k) != current[k]]
         check(not diff, f"{out_dir} holds results made with other settings ({', '.join(f'{k}={previous.get(k)!r}' for k in diff)}); "
                         "use another --out or the same settings")
     with open(path, "w", encoding="utf-8") as f:
@@ -135,6 +143,57 @@ def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float],
         jobs += [Job(sample, spec, 0.0) for spec in specs if spec.is_full]
         jobs += [Job(sample, spec, r, b) for r, b in settings for spec in specs if not spec.is_full]
     return jobs
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What a row records of its sequence's cache: KV bytes stored and those of a full cache (the achieved
+    compression), and the entries per (layer, kv_head) on average."""
+
+    bytes_stored: int
+    bytes_full: int
+    stored_per_layer_mean: float
+
+    @property
+    def compression_ratio(self) -> float:
+        return 0.0 if self.bytes_full == 0 else 1.0 - self.bytes_stored / self.bytes_full
+
+    @classmethod
+    def of(cls, stats: CacheStats) -> RowStats:
+        """A cache holding one sequence."""
+        mean = stats.mean_stored_per_layer
+        return cls(stats.bytes_stored, stats.bytes_full, sum(mean) / max(1, len(mean)))
+
+    @classmethod
+    def of_row(cls, cache: TrimCache, i: int, seen: int) -> RowStats:
+        """Sequence `i` of a batched cache, having seen `seen` tokens: what `of(cache.stats())` reads of a
+        cache holding that sequence alone (the same sums over its own rows' stored lengths)."""
+        stored = full = 0
+        means = []
+        for layer in cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            if isinstance(layer, TrimLayer):
+                row = layer.lengths[i].tolist()
+                head_dim = layer.storage.head_dim if layer.is_ragged else layer.keys.shape[-1]
+                entry = head_dim * 2 * layer.kv_tensors()[0].element_size()
+                stored += sum(row) * entry
+                full += len(row) * seen * entry
+            else:  # a sliding-window layer: what it holds, as `CacheStats` counts it
+                b, h, n = layer.keys.shape[:3]
+                row = [n] * h
+                kv = (layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()) // b
+                stored += kv
+                full += kv
+            means.append(sum(row) / max(1, len(row)))
+        return cls(stored, full, sum(means) / max(1, len(means)))
+
+    @staticmethod
+    def largest_layers(cache: TrimCache) -> list[int]:
+        """Per sequence, its entries in its fullest layer and kv_head (`max(stats().stored_per_layer)` of a
+        cache holding that sequence alone)."""
+        layers = cache.stats().lengths_per_layer
+        return [max(max(rows[i]) for rows in layers) for i in range(len(layers[0]))]
 
 
 @dataclass
@@ -164,17 +223,46 @@ class Runner:
     def build(self, job: Job, n: int) -> EvictionMethod:
         return job.spec.build(n, job.compression_ratio, self.settings.compression, budget=job.budget)
 
-    def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
-                shared: CompressedContext | None) -> dict:
-        sample, n = job.sample, compressed.shape[-1]
-        row = {
+    def _row(self, job: Job, n: int, m: int) -> dict:
+        """The fields of `job`'s row known before it runs (`n` compressed tokens, `m` fed after)."""
+        sample = job.sample
+        return {
             "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
             "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
             "compression_ratio": job.compression_ratio,
             "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
-            "compressed_tokens": n, "prompt_tokens": n + after.shape[-1], "query_aware": self.settings.query_aware,
+            "compressed_tokens": n, "prompt_tokens": n + m, "query_aware": self.settings.query_aware,
             "metric": sample.metric, "answers": sample.answers,
         }
+
+    def _done(self, sample: Sample):
+        """The stop-when-answered rule of `sample` (None with --full-answers)."""
+        if not self.settings.stop_when_answered:
+            return None
+        return lambda t: score_prediction(  # noqa: E731
+            sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+
+    def _finish(self, row: dict, sample: Sample, tokens: list[int], budget: int, done, stats: RowStats,
+                final: RowStats, trace: list[int], reused: bool, seconds: float) -> dict:
+        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        row.update(
+            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
+            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
+            **score_prediction(sample.metric, prediction, sample.answers),
+            achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
+            # a decode forward holds the entries before it plus its token until its eviction
+            peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
+            stored_trace=trace,
+            kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
+            stored_per_layer_mean=stats.stored_per_layer_mean,
+            prefill_reused=reused, seconds=round(seconds, 3),
+        )
+        return row
+
+    def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
+                shared: CompressedContext | None) -> dict:
+        sample, n = job.sample, compressed.shape[-1]
+        row = self._row(job, n, after.shape[-1])
         try:
             method = self.build(job, n)
         except KvtrimError as err:
@@ -189,35 +277,79 @@ class Runner:
             ctx = compress(self.model, compressed, method, chunk_size=self.settings.prefill_chunk_size or "auto",
                            tokenizer=self.tokenizer)
         cache, logits = ctx.cache, ctx.logits  # one question per compression: no copy needed
-        stats = cache.stats()
+        stats = RowStats.of(cache.stats())
         if after.shape[-1]:
             logits = forward_last_logits(self.model, after, cache)
         budget = sample_budget(sample, self.settings.max_new_tokens)
-        done = None
-        if self.settings.stop_when_answered:
-            done = lambda t: score_prediction(  # noqa: E731
-                sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+        done = self._done(sample)
         trace = [max(cache.stats().stored_per_layer)]  # the largest layer's entries, before decoding
 
         def watch() -> None:
             trace.append(max(cache.stats().stored_per_layer))
 
         tokens = greedy_decode(self.model, cache, logits, budget, self._stop, done, watch)
-        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        final = cache.stats()
-        row.update(
-            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
-            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
-            **score_prediction(sample.metric, prediction, sample.answers),
-            achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
-            # a decode forward holds the entries before it plus its token until its eviction
-            peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
-            stored_trace=trace,
-            kv_bytes=stats.bytes_stored, kv_bytes_full=stats.bytes_full,
-            stored_per_layer_mean=sum(stats.mean_stored_per_layer) / max(1, len(stats.mean_stored_per_layer)),
-            prefill_reused=reused, seconds=round(time.perf_counter() - start, 3),
-        )
-        return row
+        return self._finish(row, sample, tokens, budget, done, stats, RowStats.of(cache.stats()), trace, reused,
+                            time.perf_counter() - start)
+
+    def run_batch(self, jobs: list[Job], method: EvictionMethod, encoded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  shared: CompressedContext | None) -> list[dict]:
+        """The rows of `jobs` (one cell, distinct samples, every one configured as `method`) from one batched
+        compression and one batched greedy decoding; each row equals `run_job`'s (float32, greedy).
+
+        Per row, the cache is read from its own sequence: its stored lengths, and its own tokens seen
+        (`RowStats.of_row`); decoding follows `greedy_decode`'s rules per row (`greedy_decode_batch`).
+        `shared`: a one-shot full prefill of exactly these samples, in this order, to replay."""
+        b = len(jobs)
+        compressed = [encoded[job.sample.id][0] for job in jobs]
+        after = [encoded[job.sample.id][1] for job in jobs]
+        n, m = [c.shape[-1] for c in compressed], [a.shape[-1] for a in after]
+        padded = len(set(n)) > 1 or len(set(m)) > 1  # each sequence alone in a padded batch (`kvtrim.compress`)
+        check(not padded or self._pads(method), f"{type(method).__name__} cannot run a padded batch")
+        rows = [self._row(job, n[i], m[i]) for i, job in enumerate(jobs)]
+        for row in rows:
+            row["method_config"] = method.describe()
+        start = time.perf_counter()
+        reused = shared is not None and not padded and self._can_reuse(method, shared)
+        chunk = self.settings.prefill_chunk_size or "auto"
+        if reused:
+            ctx = shared.recompress(method)
+        elif padded:
+            ctx = compress(self.model, [c[0] for c in compressed], method, chunk_size=chunk, tokenizer=self.tokenizer)
+        else:
+            ctx = compress(self.model, torch.cat(compressed), method, chunk_size=chunk, tokenizer=self.tokenizer)
+        cache, logits, mask = ctx.cache, ctx.logits, ctx.attention_mask
+        seen = list(n)  # tokens each sequence has seen
+        stats = [RowStats.of_row(cache, i, seen[i]) for i in range(b)]
+        if max(m):
+            if padded:  # the questions left-padded after the contexts' layout
+                ids, question_mask, _ = padded_layout([a[0] for a in after], None, pad_token_id(self.model) or 0)
+                mask = torch.cat([mask, question_mask.to(mask.device)], dim=-1)
+                logits = forward_last_logits(self.model, ids, cache, mask)
+            else:
+                logits = forward_last_logits(self.model, torch.cat(after), cache)
+            seen = [s + k for s, k in zip(seen, m)]
+        budgets = [sample_budget(job.sample, self.settings.max_new_tokens) for job in jobs]
+        done = [self._done(job.sample) for job in jobs]
+        trace = [[largest] for largest in RowStats.largest_layers(cache)]
+        final: dict[int, RowStats] = {}
+
+        def watch(fed: list[int]) -> None:
+            largest = RowStats.largest_layers(cache)
+            for i in fed:
+                seen[i] += 1
+                trace[i].append(largest[i])
+
+        def finished(i: int) -> None:
+            final[i] = RowStats.of_row(cache, i, seen[i])
+
+        tokens = greedy_decode_batch(self.model, cache, logits, budgets, self._stop, done, watch, finished, mask)
+        seconds = (time.perf_counter() - start) / b  # each row's share of the batch
+        out = []
+        for i, job in enumerate(jobs):
+            rows[i]["batch_size"] = b
+            out.append(self._finish(rows[i], job.sample, tokens[i], budgets[i], done[i], stats[i], final[i],
+                                    trace[i], reused, seconds))
+        return out
 
     def _reusable(self, method: EvictionMethod) -> bool:
         """True when `method`'s cache after a shared one-shot prefill equals its own compression."""
@@ -245,22 +377,123 @@ class Runner:
         return True, any(m.waits_for_attention for m in reusable) and is_enabled(self.model)
 
     # ---- the sweep ---------------------------------------------------------------------------
-    def run_unit(self, sample_jobs: list[Job]) -> Iterator[dict]:
-        """The rows of one unit of work: the pending jobs of one sample (they share its prefill), in order.
+    def run_unit(self, unit: list[Job]) -> Iterator[dict]:
+        """The rows of one unit of work: the pending jobs of one sample (they share its prefill), in order,
+        or with `batch_size` > 1 those of up to `batch_size` samples of one task and length (`pending_units`),
+        run in batches (`run_batched_unit`).
 
         A unit is what `kvtrim eval --ray` sends to one worker (`kvtrim.eval.ray_sweep`)."""
-        sample = sample_jobs[0].sample
+        if len({job.sample.id for job in unit}) > 1:
+            yield from self.run_batched_unit(unit)
+            return
+        sample = unit[0].sample
         check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
-        compressed, after = self.encode(sample)
-        want, queries = self._wants_shared(sample_jobs, compressed.shape[-1])
+        yield from self._run_sample(unit, *self.encode(sample))
+
+    def _run_sample(self, jobs: list[Job], compressed: torch.Tensor, after: torch.Tensor) -> Iterator[dict]:
+        """One sample's jobs, one at a time, replaying its shared prefill where two or more can."""
+        want, queries = self._wants_shared(jobs, compressed.shape[-1])
         self._shared_queries = queries
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
-        for job in sample_jobs:
-            if self._bar is not None:
-                setting = f"b={job.budget}" if job.budget is not None else f"r={job.compression_ratio:g}"
-                self._bar.set_postfix_str(f"{sample.task} {job.spec.label} {setting}", refresh=False)
+        for job in jobs:
+            self._show(job)
             yield self.run_job(job, compressed, after, shared)
         del shared
+
+    def _show(self, job: Job, size: int = 1) -> None:
+        if self._bar is not None:
+            setting = f"b={job.budget}" if job.budget is not None else f"r={job.compression_ratio:g}"
+            batch = f" x{size}" if size > 1 else ""
+            self._bar.set_postfix_str(f"{job.sample.task} {job.spec.label} {setting}{batch}", refresh=False)
+
+    def run_batched_unit(self, unit: list[Job]) -> Iterator[dict]:
+        """The rows of several samples' pending jobs: cell (method and setting) by cell in plan order, in
+        batches; then the jobs left alone, sample by sample as `run_unit` runs them.
+
+        A cell's jobs run in batches of the samples whose method is configured identically
+        (`describe()`: in the at-budget form a ratio sizes each method from its own prompt's length, so
+        `--budgets` and `--compression ratio` batch more). Prompts of different lengths make a padded
+        batch where the method can take one (`_pads`), else only prompts of equal lengths batch. With
+        prefill reuse, methods that replay a shared prefill batch only when all the unit's prompts have
+        equal lengths (their contexts are then prefilled once together); otherwise they run one sample at a
+        time, replaying its prefill as batch 1 does (a padded batch would be prefilled by each method
+        anew: `CompressedContext.recompress` does not take a padded batch yet)."""
+        samples = list({job.sample.id: job.sample for job in unit}.values())
+        for sample in samples:
+            check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
+        encoded = {sample.id: self.encode(sample) for sample in samples}
+        cells: dict[tuple, list[Job]] = {}
+        for job in unit:
+            cells.setdefault((job.spec.label, job.compression_ratio, job.budget), []).append(job)
+        built: dict[str, EvictionMethod | None] = {}
+        for job in unit:
+            try:
+                built[job.key] = self.build(job, encoded[job.sample.id][0].shape[-1])
+            except KvtrimError:
+                built[job.key] = None  # recorded as skipped by run_job
+        replay = self.settings.reuse_prefill and sum(
+            any(built[job.key] is not None and self._reusable(built[job.key]) for job in jobs)
+            for jobs in cells.values()) >= 2
+        equal = len({tuple(x.shape[-1] for x in encoded[s.id]) for s in samples}) == 1  # no padding
+        batches: list[tuple[list[Job], EvictionMethod]] = []
+        alone: list[Job] = []
+        for jobs in cells.values():
+            groups: dict[tuple, tuple[list[Job], EvictionMethod]] = {}
+            for job in jobs:
+                method = built[job.key]
+                if method is None:
+                    alone.append(job)
+                    continue
+                n, m = (x.shape[-1] for x in encoded[job.sample.id])
+                if replay and self._reusable(method):  # batched only with the samples' shared prefill
+                    if not equal:
+                        alone.append(job)
+                        continue
+                    key = (method.describe(),)
+                elif self._pads(method):  # a one-token question is a decode step alone, not an append: apart
+                    key = (method.describe(), m == 1)
+                else:
+                    key = (method.describe(), n, m)
+                groups.setdefault(key, ([], method))[0].append(job)
+            for group, method in groups.values():
+                for at in range(0, len(group), self.settings.batch_size):
+                    batch = group[at:at + self.settings.batch_size]
+                    if len(batch) > 1:
+                        batches.append((batch, method))
+                    else:
+                        alone += batch
+        shared, together = self._shared_batch(samples, encoded, batches)
+        for jobs, method in batches:
+            self._show(jobs[0], len(jobs))
+            ids = [job.sample.id for job in jobs]
+            yield from self.run_batch(jobs, method, encoded, shared if ids == together else None)
+        del shared
+        by_sample: dict[str, list[Job]] = {}
+        for job in alone:
+            by_sample.setdefault(job.sample.id, []).append(job)
+        for sample_id, jobs in by_sample.items():
+            yield from self._run_sample(jobs, *encoded[sample_id])
+
+    def _pads(self, method: EvictionMethod) -> bool:
+        """True when `method` can run a padded batch (`kvtrim.compress` of a list of contexts): kvtrim's
+        attention, no scoring passes, no decisions across layers."""
+        return is_enabled(self.model) and not method.scoring_passes and not method.cross_layer
+
+    def _shared_batch(self, samples: list[Sample], encoded: dict, batches: list) -> tuple[CompressedContext | None, list[str]]:
+        """The shared prefill of a batched unit: all its samples' contexts in one full-cache forward, when
+        their prompts have equal lengths (no padding) and two or more batches covering all of them replay
+        it; and the sample ids it holds, in order."""
+        ids = [s.id for s in samples]
+        lengths = {(encoded[i][0].shape[-1], encoded[i][1].shape[-1]) for i in ids}
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None or len(lengths) > 1:
+            return None, []
+        methods = [method for jobs, method in batches
+                   if method is not None and [job.sample.id for job in jobs] == ids and self._reusable(method)]
+        if len(methods) < 2:
+            return None, []
+        self._shared_queries = any(m.waits_for_attention for m in methods) and is_enabled(self.model)
+        context = torch.cat([encoded[i][0] for i in ids])
+        return compress(self.model, context, FullCache(), None, self._shared_queries), ids
 
     @property
     def _limit(self) -> int | None:
@@ -273,7 +506,7 @@ class Runner:
         from tqdm.auto import tqdm
 
         check_run_settings(self.out_dir, self.settings)
-        units = pending_units(self.out_dir, jobs)
+        units = pending_units(self.out_dir, jobs, self.settings.batch_size)
         pending = sum(len(unit) for unit in units)
         self._bar = tqdm(total=len(jobs), initial=len(jobs) - pending, desc="kvtrim eval", unit="run",
                          disable=not self.progress, dynamic_ncols=True)
@@ -291,15 +524,23 @@ class Runner:
         return load_rows(self.out_dir)
 
 
-def pending_units(out_dir: str, jobs: list[Job]) -> list[list[Job]]:
+def pending_units(out_dir: str, jobs: list[Job], batch_size: int = 1) -> list[list[Job]]:
     """The jobs not yet in `out_dir/results.jsonl` (a cut last line repaired first), grouped by sample in
-    plan order: the units of work, each sharing one prefill."""
+    plan order: the units of work, each sharing one prefill. With `batch_size` > 1, a unit holds the jobs
+    of up to `batch_size` samples of one task and length (in plan order), run in batches (`Runner.run_unit`)."""
     done = {row.get("key") for row in load_rows(out_dir, repair=True)}
     by_sample: dict[str, list[Job]] = {}
     for job in jobs:
         if job.key not in done:
             by_sample.setdefault(job.sample.id, []).append(job)
-    return list(by_sample.values())
+    units = list(by_sample.values())
+    if batch_size == 1:
+        return units
+    groups: dict[tuple, list[list[Job]]] = {}
+    for unit in units:
+        groups.setdefault((unit[0].sample.task, unit[0].sample.length), []).append(unit)
+    return [[job for unit in group[at:at + batch_size] for job in unit]
+            for group in groups.values() for at in range(0, len(group), batch_size)]
 
 
 def write_row(out, row: dict) -> None:
