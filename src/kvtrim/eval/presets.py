@@ -21,8 +21,8 @@
   prompt's length, so that every method evicts while the answer grows: full, LazyEviction with the window
   measured by the paper's rule (`benchmarks/reasoning/window.py`) and with its default window (128), H2O,
   TOVA, StreamingLLM, LagKV (reference mode: compresses every lag_size decoded tokens) and KeyDiff (budget
-  mode: evicts every block_size decoded tokens). 15 generations; sized by measurement (process CPU time
-  of a 1-thread run, see benchmarks/reasoning/preset) to fit 20 minutes on 2 quiet cores.
+  mode: evicts every block_size decoded tokens). 15 generations: 20.3 minutes measured on 2 quiet cores
+  (benchmarks/reasoning/preset), most of it in the failing runs that decode to the token cap.
 * `reasoning-gpu`: the same comparison at 4 budgets (128 .. 1024), on `list_recall` at 1k and 2k tokens
   and the trace tasks, 20 samples per cell; on a GPU (`--device cuda --dtype bfloat16`).
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 from kvtrim.eval.ruler import RULER_TASKS
 
 #: LazyEviction's window for the reasoning presets: the paper's rule (80th percentile of the MRI) measured
-#: on qwen2.5-coder-0.5b / list_recall at 768 tokens (benchmarks/reasoning/window.json)
+#: on qwen2.5-coder-0.5b / list_recall at 768 tokens (benchmarks/reasoning/window.json; not re-measured at 1024)
 REASONING_WINDOW = 9
 #: the methods of the reasoning presets; LazyEviction twice: the measured window and the class default
 REASONING_METHODS = ["full", f"lazyeviction:window={REASONING_WINDOW}", "lazyeviction", "h2o", "tova", "streaming",
