@@ -6,7 +6,7 @@ methods sized to evict at the prompt and again while decoding (where the method 
 The reference is the obvious one: each prompt run alone through the same `generate` (computed once per
 method). Each method's cost is the padded batch (8 rows × the longest prompt, pads included, through
 kvtrim's ragged attention) plus the eight prompts alone; the lengths are spread over 300..2,000 with one
-long prompt, so the alone runs cost about a third of the batch. Marked `slow` (minutes on 2 CPU threads,
+long prompt, so the alone runs cost about a quarter of the batch. Marked `slow` (minutes on 2 CPU threads,
 `benchmarks/padded/README.md`): `make test-slow` runs it, `make test` does not.
 """
 
