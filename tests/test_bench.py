@@ -588,6 +588,8 @@ def test_batch_sizes_measure_one_cache_of_distinct_prompts(tmp_path, capsys):
     two = cells["streaming", 2]
     assert by["streaming", 2]["batch_decode_tps"] == pytest.approx(2 * two["decode_tokens"] / two["decode_s"])
     assert by["full", 2]["batch_decode_tps_vs_full"] == 1.0 and by["streaming", 1]["batch_decode_tps_vs_batch1"] == 1.0
+    assert by["streaming", 2]["decode_step_vs_same_size"] == pytest.approx(two["decode_s"] / two["decode_same_size_full_s"])
+    assert by["full", 2]["decode_step_vs_same_size"] is None  # the full cache is its own same-size cache
     for bad, message in (("0", "--batch-sizes must be integers >= 1"), ("1,1", "--batch-sizes has duplicates")):
         assert main(args + ["--batch-sizes", bad, "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip()

@@ -180,15 +180,16 @@ def result_section(result: dict, name: str) -> str:
 def batch_table(result: dict) -> str:
     """One row per (length, batch, method): the batch's decode throughput against the full cache at the
     same batch and against the same method at batch 1, and the bytes the cache allocates."""
-    lines = ["| tokens | batch | method | decode tok/s (batch) | × full, same batch | × batch 1 | allocated MiB "
-             "(end) | allocated × full |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| tokens | batch | method | decode tok/s (batch) | × full, same batch | × batch 1 | decode step × "
+             "same-size full | allocated MiB (end) | allocated × full |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in sorted(result["batch_summary"], key=lambda r: (r["length"], r["batch"], r["method"] != "full")):
         if r.get("status") != "ok":
-            lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | skipped: {r.get('reason', '')} | | | | |")
+            lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | skipped: {r.get('reason', '')} | | | | | |")
             continue
         lines.append(f"| {r['prompt_tokens']} | {r['batch']} | {r['method']} | {fmt(r['batch_decode_tps'], '.1f')} | "
                      f"{fmt(r['batch_decode_tps_vs_full'], '.2f')} | {fmt(r['batch_decode_tps_vs_batch1'], '.2f')} | "
+                     f"{fmt(r.get('decode_step_vs_same_size'), '.2f')} | "
                      f"{fmt(r['allocated_bytes_end'] and r['allocated_bytes_end'] / 2**20, '.1f')} | "
                      f"{fmt(r['allocated_vs_full'], '.3f')} |")
     return "\n".join(lines)

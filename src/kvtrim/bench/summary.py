@@ -139,7 +139,10 @@ def summarize_batches(raw: list[dict]) -> list[dict]:
     """One row per (method, length, batch) for `--batch-sizes`: medians over repeats of the batch's decode
     throughput (`batch_decode_tps` = batch × tokens / decode seconds), prefill time and the bytes the cache
     holds and allocates; paired ratios (same repeat) against the full cache at the same batch
-    (`*_vs_full`) and against the same method at batch 1 (`batch_decode_tps_vs_batch1`)."""
+    (`*_vs_full`) and against the same method at batch 1 (`batch_decode_tps_vs_batch1`); the median of
+    each cell's `decode_step_vs_same_size` (its decode against a dense full cache of the same size in the
+    same cell: for a ragged cache such as AdaKV's, which does not evict while decoding, the ragged
+    storage and attention path against the dense one at equal mean lengths)."""
     rows = [derive(r) for r in raw]
     for r in rows:
         if r.get("status") == "ok":
@@ -157,7 +160,7 @@ def summarize_batches(raw: list[dict]) -> list[dict]:
             continue
         entry.update(status="ok", prompt_tokens=cell[0]["prompt_tokens"])
         for m in ("batch_decode_tps", "decode_step_s", "prefill_s", "stored_bytes_prefill", "allocated_bytes_prefill",
-                  "allocated_bytes_end", "stored_bytes_end"):
+                  "allocated_bytes_end", "stored_bytes_end", "decode_step_vs_same_size"):
             entry[m] = _median([r.get(m) for r in cell])
 
         def paired(metric: str, base_key) -> float | None:
