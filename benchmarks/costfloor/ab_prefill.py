@@ -1,0 +1,224 @@
+"""Block-wise KeyDiff's eviction share of a 4k prefill: the current code against the previous one, in one
+process, interleaved (issue #15, item 1), and where the time of one eviction goes, operation by operation.
+
+    PYTHONPATH=src python benchmarks/costfloor/ab_prefill.py [--threads 2] [--rounds 3] [--out FILE.json]
+
+1. A/B: `rounds` rounds of [previous, current] block-wise prefills (budget 1024, block 128, the default
+   model, a ~4k-token passkey prompt), the order alternating each round. "Previous" runs the same code
+   with the two functions this change rewrote put back (`keydiff_scores` and `top_indices` as they were
+   at main 6072175, copied below); eviction time measured by the bench's own `EvictionTimer` (the
+   method's hooks + the cache's gather). Kept positions of every layer compared between the two.
+2. Lines: one more prefill with each operation of an eviction timed alone (wall clock around each
+   statement; the gather as `TrimLayer.evict` does it), per eviction.
+
+A machine shared with other work drifts by more than the change between runs minutes apart; the
+interleaved rounds and the paired medians are what make the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import kvtrim
+import kvtrim.cache as cache_mod
+import kvtrim.methods.base as base_mod
+import kvtrim.methods.keydiff as keydiff_mod
+from kvtrim.bench.runner import prompt_ids
+from kvtrim.bench.timing import EvictionTimer
+
+
+# ---- the previous implementations (main 6072175) ---------------------------------------------------------
+def keydiff_scores_previous(keys, eps=1e-12):
+    k = keys if keys.dtype == torch.float32 else keys.float()
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min_(eps)
+    anchor = unit.mean(dim=-2, keepdim=True)
+    anchor = anchor.div_(anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_())
+    return unit.mul_(anchor).sum(dim=-1)
+
+
+def _top_without_ties_previous(scores, k):
+    n = scores.shape[-1]
+    threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values
+    above = (scores > threshold).nonzero()
+    if above.shape[0] != scores.numel() // n * k:
+        return None
+    return above[:, -1].view(*scores.shape[:-1], k)
+
+
+def top_indices_previous(scores, k):
+    n = scores.shape[-1]
+    if k >= n:
+        return torch.arange(n, device=scores.device).expand_as(scores)
+    if scores.device.type == "cpu":
+        found = _top_without_ties_previous(scores, k)
+        if found is not None:
+            return found
+    return base_mod._top_by_sort(scores, k) if n < 1024 else base_mod._top_by_threshold(scores, k)
+
+
+PREVIOUS = [(keydiff_mod, "keydiff_scores", keydiff_scores_previous), (base_mod, "top_indices", top_indices_previous)]
+
+
+def run_prefill(model, ids, patches=(), budget: int = 1024) -> dict:
+    """One block-wise KeyDiff prefill with `patches` `[(module, name, fn)]` in place; the bench's timer."""
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, fn in patches:
+        setattr(owner, attr, fn)
+    try:
+        timer = EvictionTimer()
+        method = timer.instrument(keydiff_mod.KeyDiff(budget=budget))
+        cache = timer.attach(cache_mod.TrimCache(method, config=model.config))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            kvtrim.prefill(model, ids, cache, chunk_size=128)
+        wall = time.perf_counter() - t0
+        totals = timer.totals()
+        timer.detach()
+        evictions = sum(layer.evictions for layer in cache.trim_layers())
+        return {"prefill_s": wall, "evict_s": totals["prefill_evict_s"], "score_s": totals["prefill_score_s"],
+                "gather_s": totals["prefill_gather_s"], "evictions": evictions,
+                "positions": [layer.positions.clone() for layer in cache.trim_layers()]}
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+
+
+# ---- operation by operation --------------------------------------------------------------------------------
+LINES: dict[str, float] = collections.defaultdict(float)
+
+
+def _clock(name: str, t0: float) -> float:
+    t1 = time.perf_counter()
+    LINES[name] += t1 - t0
+    return t1
+
+
+def keydiff_scores_lines(keys, eps=1e-12):
+    t = time.perf_counter()
+    k = keys if keys.dtype == torch.float32 else keys.float()
+    norm = k.norm(dim=-1, keepdim=True)
+    t = _clock("score: norm of the keys", t)
+    norm = norm.clamp_min_(eps)
+    t = _clock("score: clamp (tiny)", t)
+    unit = k / norm
+    t = _clock("score: divide (unit keys)", t)
+    anchor = unit.mean(dim=-2, keepdim=True)
+    t = _clock("score: mean (anchor)", t)
+    scale = anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_()
+    anchor = anchor.div_(scale)
+    t = _clock("score: anchor norm, clamp, negate, divide (4 tiny)", t)
+    scores = torch.linalg.vecdot(unit, anchor)
+    _clock("score: vecdot (product + sum)", t)
+    return scores
+
+
+def top_indices_lines(scores, k):
+    n = scores.shape[-1]
+    if k >= n:
+        return torch.arange(n, device=scores.device).expand_as(scores)
+    t = time.perf_counter()
+    threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values
+    t = _clock("select: kthvalue", t)
+    above = scores > threshold
+    t = _clock("select: compare (tiny)", t)
+    found = torch.masked_select(base_mod._entry_numbers(n, scores.device), above)
+    t = _clock("select: masked_select", t)
+    if found.shape[0] != scores.numel() // n * k:
+        return base_mod._top_by_threshold(scores, k)
+    out = found.view(*scores.shape[:-1], k)
+    _clock("select: view (+ count check)", t)
+    return out
+
+
+def evict_lines(self, keep):
+    if keep is None:
+        return
+    t = time.perf_counter()
+    b, h, n = self.positions.shape
+    assert not (keep.dtype == torch.bool or (keep.numel() > 0 and int(keep.min()) < 0))
+    t = _clock("gather: check of the kept indices (min)", t)
+    rows = cache_mod.flat_rows(keep, self.keys.shape[2])
+    t = _clock("gather: flat row numbers", t)
+    self.keys = cache_mod.select_rows(self.keys, rows, keep.shape[-1])
+    t = _clock("gather: key rows", t)
+    self.values = cache_mod.select_rows(self.values, rows, keep.shape[-1])
+    t = _clock("gather: value rows", t)
+    self.positions = self.positions.gather(2, keep)
+    t = _clock("gather: positions", t)
+    self._after_evict(keep)
+    _clock("gather: method state", t)
+
+
+LINE_PATCHES = [(keydiff_mod, "keydiff_scores", keydiff_scores_lines), (base_mod, "top_indices", top_indices_lines),
+                (cache_mod.TrimLayer, "evict", evict_lines)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/costfloor/ab_prefill.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_start = list(os.getloadavg())
+    model, tok = kvtrim.load_model("smollm2-135m")
+    ids = prompt_ids(tok, args.length, 0)
+    with torch.no_grad():  # warm-up (first calls), not measured
+        kvtrim.prefill(model, ids[:, :512], cache_mod.TrimCache(keydiff_mod.KeyDiff(budget=256), config=model.config))
+    runs = {"previous": [], "current": []}
+    same = True
+    for r in range(args.rounds):
+        order = ["previous", "current"] if r % 2 == 0 else ["current", "previous"]
+        got = {}
+        for name in order:
+            got[name] = run_prefill(model, ids, PREVIOUS if name == "previous" else ())
+            row = {k: v for k, v in got[name].items() if k != "positions"}
+            row["share"] = row["evict_s"] / row["prefill_s"]
+            runs[name].append(row)
+            print(f"round {r} {name:8s} prefill {row['prefill_s']:.2f} s, eviction {row['evict_s'] * 1e3:.0f} ms "
+                  f"({row['share'] * 100:.2f} %), {row['evict_s'] / row['evictions'] * 1e6:.0f} us/eviction", flush=True)
+        same &= all(torch.equal(a, b) for a, b in zip(got["previous"]["positions"], got["current"]["positions"]))
+    LINES.clear()
+    lines_run = run_prefill(model, ids, LINE_PATCHES)
+    per_eviction = {name: s / lines_run["evictions"] * 1e6 for name, s in LINES.items()}
+
+    def median(name, key):
+        return statistics.median(row[key] for row in runs[name])
+
+    summary = {name: {"share_median": median(name, "share"), "prefill_s_median": median(name, "prefill_s"),
+                      "evict_us_per_eviction_median": statistics.median(
+                          row["evict_s"] / row["evictions"] * 1e6 for row in runs[name]),
+                      "score_us_per_eviction_median": statistics.median(
+                          row["score_s"] / row["evictions"] * 1e6 for row in runs[name]),
+                      "gather_us_per_eviction_median": statistics.median(
+                          row["gather_s"] / row["evictions"] * 1e6 for row in runs[name])}
+               for name in runs}
+    paired = [c["evict_s"] / p["evict_s"] for p, c in zip(runs["previous"], runs["current"])]
+    result = {
+        "command": f"PYTHONPATH=src python benchmarks/costfloor/ab_prefill.py --threads {args.threads} "
+                   f"--length {args.length} --rounds {args.rounds} --out {args.out}",
+        "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
+        "prompt_tokens": int(ids.shape[-1]), "loadavg_start": load_start, "runs": runs, "summary": summary,
+        "current_over_previous_eviction_time_per_round": paired, "same_kept_positions": same,
+        "lines_us_per_eviction": per_eviction, "lines_prefill_s": lines_run["prefill_s"],
+        "lines_evictions": lines_run["evictions"], "loadavg_end": list(os.getloadavg()),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    print("current / previous eviction time per round:", [round(x, 3) for x in paired], "same kept positions:", same)
+    for name, us in per_eviction.items():
+        print(f"{name:55s} {us:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
