@@ -10,6 +10,11 @@ process, interleaved (issue #15, item 1), and where the time of one eviction goe
    method's hooks + the cache's gather). Kept positions of every layer compared between the two.
 2. Lines: one more prefill with each operation of an eviction timed alone (wall clock around each
    statement; the gather as `TrimLayer.evict` does it), per eviction.
+3. Stacked (idea: one scoring + top-k over every layer's keys at once instead of 30 small calls): on
+   random keys of the prefill's shape (30 layers of `(1, 3, 1147, 64)`), the scores and kept indices of
+   all layers by one call on a stacked `(30, 3, 1147, 64)` tensor (stacking copy included, and without
+   it: keys already in one buffer) against 30 per-layer calls. Before each layer's call ~18 MB (one
+   layer's weights) are read, before the stacked call 30 times that, as the model's own work would.
 
 A machine shared with other work drifts by more than the change between runs minutes apart; the
 interleaved rounds and the paired medians are what make the comparison.
@@ -161,6 +166,41 @@ LINE_PATCHES = [(keydiff_mod, "keydiff_scores", keydiff_scores_lines), (base_mod
                 (cache_mod.TrimLayer, "evict", evict_lines)]
 
 
+def stacked_vs_per_layer(repeats: int = 5, layers: int = 30) -> dict:
+    """Seconds per block: 30 per-layer KeyDiff selections against one stacked one (see the docstring)."""
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 3, 1147, 64, generator=g) for _ in range(layers)]
+    weights = torch.randn(layers, 18 * 2**20 // 4, generator=g)  # stands for the model's weights
+
+    def per_layer():
+        total = 0.0
+        for i, k in enumerate(keys):
+            weights[i].sum()
+            t0 = time.perf_counter()
+            base_mod.top_indices(keydiff_mod.keydiff_scores(k), 1019)
+            total += time.perf_counter() - t0
+        return total
+
+    buffer = torch.stack(keys).squeeze(1)
+
+    def stacked(copy: bool):
+        weights.sum()
+        t0 = time.perf_counter()
+        x = torch.stack(keys).squeeze(1) if copy else buffer
+        base_mod.top_indices(keydiff_mod.keydiff_scores(x), 1019)
+        return time.perf_counter() - t0
+
+    same = torch.equal(keydiff_mod.keydiff_scores(buffer),
+                       torch.cat([keydiff_mod.keydiff_scores(k) for k in keys]))
+    out = {"per_layer_s": [], "stacked_with_copy_s": [], "stacked_in_one_buffer_s": []}
+    for _ in range(repeats):
+        out["per_layer_s"].append(per_layer())
+        out["stacked_with_copy_s"].append(stacked(True))
+        out["stacked_in_one_buffer_s"].append(stacked(False))
+    summary = {k + "_median": statistics.median(v) for k, v in out.items()}
+    return {**out, **summary, "stacked_scores_same_bits": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -190,6 +230,7 @@ def main() -> None:
     LINES.clear()
     lines_run = run_prefill(model, ids, LINE_PATCHES)
     per_eviction = {name: s / lines_run["evictions"] * 1e6 for name, s in LINES.items()}
+    stacked = stacked_vs_per_layer()
 
     def median(name, key):
         return statistics.median(row[key] for row in runs[name])
@@ -210,7 +251,8 @@ def main() -> None:
         "prompt_tokens": int(ids.shape[-1]), "loadavg_start": load_start, "runs": runs, "summary": summary,
         "current_over_previous_eviction_time_per_round": paired, "same_kept_positions": same,
         "lines_us_per_eviction": per_eviction, "lines_prefill_s": lines_run["prefill_s"],
-        "lines_evictions": lines_run["evictions"], "loadavg_end": list(os.getloadavg()),
+        "lines_evictions": lines_run["evictions"], "stacked_vs_per_layer": stacked,
+        "loadavg_end": list(os.getloadavg()),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -218,6 +260,7 @@ def main() -> None:
     print("current / previous eviction time per round:", [round(x, 3) for x in paired], "same kept positions:", same)
     for name, us in per_eviction.items():
         print(f"{name:55s} {us:7.1f} us")
+    print("stacked vs per layer (s per block):", {k: v for k, v in stacked.items() if not isinstance(v, list)})
 
 
 if __name__ == "__main__":
