@@ -5,9 +5,11 @@ process, interleaved (issue #15, item 1), and where the time of one eviction goe
 
 1. A/B: `rounds` rounds of [previous, current] block-wise prefills (budget 1024, block 128, the default
    model, a ~4k-token passkey prompt), the order alternating each round. "Previous" runs the same code
-   with the two functions this change rewrote put back (`keydiff_scores` and `top_indices` as they were
-   at main 6072175, copied below); eviction time measured by the bench's own `EvictionTimer` (the
+   with `top_indices` as it was at main 6072175 (copied below: `nonzero` + column slice, where the
+   current one takes `masked_select`); eviction time measured by the bench's own `EvictionTimer` (the
    method's hooks + the cache's gather). Kept positions of every layer compared between the two.
+   With two threads, a third arm runs the current code with the method's hook on one thread
+   (`torch.set_num_threads(1)` around it, its own cost included).
 2. Lines: one more prefill with each operation of an eviction timed alone (wall clock around each
    statement; the gather as `TrimLayer.evict` does it), per eviction.
 3. Stacked (idea: one scoring + top-k over every layer's keys at once instead of 30 small calls): on
@@ -41,14 +43,6 @@ from kvtrim.bench.timing import EvictionTimer
 
 
 # ---- the previous implementations (main 6072175) ---------------------------------------------------------
-def keydiff_scores_previous(keys, eps=1e-12):
-    k = keys if keys.dtype == torch.float32 else keys.float()
-    unit = k / k.norm(dim=-1, keepdim=True).clamp_min_(eps)
-    anchor = unit.mean(dim=-2, keepdim=True)
-    anchor = anchor.div_(anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_())
-    return unit.mul_(anchor).sum(dim=-1)
-
-
 def _top_without_ties_previous(scores, k):
     n = scores.shape[-1]
     threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values
@@ -69,7 +63,25 @@ def top_indices_previous(scores, k):
     return base_mod._top_by_sort(scores, k) if n < 1024 else base_mod._top_by_threshold(scores, k)
 
 
-PREVIOUS = [(keydiff_mod, "keydiff_scores", keydiff_scores_previous), (base_mod, "top_indices", top_indices_previous)]
+PREVIOUS = [(base_mod, "top_indices", top_indices_previous)]
+
+
+def _hook_on_one_thread(hook):
+    """`hook` run with one torch thread (idea: small-tensor operations on two threads can be slower)."""
+
+    def wrapper(self, view):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return hook(self, view)
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapper
+
+
+ARMS = {"previous": PREVIOUS, "current": [],
+        "current, hook on 1 thread": [(keydiff_mod.KeyDiff, "on_update", _hook_on_one_thread(keydiff_mod.KeyDiff.on_update))]}
 
 
 def run_prefill(model, ids, patches=(), budget: int = 1024) -> dict:
@@ -120,8 +132,10 @@ def keydiff_scores_lines(keys, eps=1e-12):
     scale = anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_()
     anchor = anchor.div_(scale)
     t = _clock("score: anchor norm, clamp, negate, divide (4 tiny)", t)
-    scores = torch.linalg.vecdot(unit, anchor)
-    _clock("score: vecdot (product + sum)", t)
+    prod = unit.mul_(anchor)
+    t = _clock("score: multiply (in place)", t)
+    scores = prod.sum(dim=-1)
+    _clock("score: sum", t)
     return scores
 
 
@@ -214,19 +228,21 @@ def main() -> None:
     ids = prompt_ids(tok, args.length, 0)
     with torch.no_grad():  # warm-up (first calls), not measured
         kvtrim.prefill(model, ids[:, :512], cache_mod.TrimCache(keydiff_mod.KeyDiff(budget=256), config=model.config))
-    runs = {"previous": [], "current": []}
+    arms = list(ARMS) if args.threads > 1 else ["previous", "current"]
+    runs = {name: [] for name in arms}
     same = True
     for r in range(args.rounds):
-        order = ["previous", "current"] if r % 2 == 0 else ["current", "previous"]
+        order = arms if r % 2 == 0 else arms[::-1]
         got = {}
         for name in order:
-            got[name] = run_prefill(model, ids, PREVIOUS if name == "previous" else ())
+            got[name] = run_prefill(model, ids, ARMS[name])
             row = {k: v for k, v in got[name].items() if k != "positions"}
             row["share"] = row["evict_s"] / row["prefill_s"]
             runs[name].append(row)
-            print(f"round {r} {name:8s} prefill {row['prefill_s']:.2f} s, eviction {row['evict_s'] * 1e3:.0f} ms "
+            print(f"round {r} {name:26s} prefill {row['prefill_s']:.2f} s, eviction {row['evict_s'] * 1e3:.0f} ms "
                   f"({row['share'] * 100:.2f} %), {row['evict_s'] / row['evictions'] * 1e6:.0f} us/eviction", flush=True)
-        same &= all(torch.equal(a, b) for a, b in zip(got["previous"]["positions"], got["current"]["positions"]))
+        same &= all(all(torch.equal(a, b) for a, b in zip(got["previous"]["positions"], got[name]["positions"]))
+                    for name in arms)
     LINES.clear()
     lines_run = run_prefill(model, ids, LINE_PATCHES)
     per_eviction = {name: s / lines_run["evictions"] * 1e6 for name, s in LINES.items()}

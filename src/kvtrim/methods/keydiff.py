@@ -61,17 +61,16 @@ def keydiff_scores(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     Returns:
         `(batch, kv_heads, n)` float32 scores (higher = more distinctive = keep).
 
-    Written for few operations (on CPU an eviction costs per operation more than per byte, issue #15):
-    the negation rides on the anchor's normalisation (`a / -|a|` is exactly `-(a / |a|)`) and the
-    product and its sum are one call (`linalg.vecdot`, the same multiply and sum kernels as
-    `(unit * anchor).sum(-1)`), so the scores are the same bits as `-(unit * anchor).sum(-1)`, with the
-    anchor and the cosines summed in the same order (`tests/test_same_kept_sets.py`).
+    Written for few operations (on CPU an eviction costs per operation more than per byte): the
+    negation rides on the anchor's normalisation (`a / -|a|` is exactly `-(a / |a|)`) and the products
+    are taken in place, so the scores are the same bits as `-(unit * anchor).sum(-1)`, with the
+    anchor and the cosines summed in the same order.
     """
     k = keys if keys.dtype == torch.float32 else keys.float()
     unit = k / k.norm(dim=-1, keepdim=True).clamp_min_(eps)
     anchor = unit.mean(dim=-2, keepdim=True)
     anchor = anchor.div_(anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_())  # -anchor / |anchor|
-    return torch.linalg.vecdot(unit, anchor)
+    return unit.mul_(anchor).sum(dim=-1)
 
 
 def keydiff_keep(
