@@ -1,24 +1,25 @@
-"""Block-wise KeyDiff's eviction share of a 4k prefill: the current code against the previous one, in one
+"""Block-wise KeyDiff's eviction share of a 4k prefill: main's code against candidate rewrites, in one
 process, interleaved (issue #15, item 1), and where the time of one eviction goes, operation by operation.
 
     PYTHONPATH=src python benchmarks/costfloor/ab_prefill.py [--threads 2] [--rounds 3] [--out FILE.json]
 
-1. A/B: `rounds` rounds of [previous, current] block-wise prefills (budget 1024, block 128, the default
-   model, a ~4k-token passkey prompt), the order alternating each round. "Previous" runs the same code
-   with `top_indices` as it was at main 6072175 (copied below: `nonzero` + column slice, where the
-   current one takes `masked_select`); eviction time measured by the bench's own `EvictionTimer` (the
-   method's hooks + the cache's gather). Kept positions of every layer compared between the two.
-   With two threads, a third arm runs the current code with the method's hook on one thread
-   (`torch.set_num_threads(1)` around it, its own cost included).
-2. Lines: one more prefill with each operation of an eviction timed alone (wall clock around each
-   statement; the gather as `TrimLayer.evict` does it), per eviction.
+1. A/B: `rounds` rounds of block-wise prefills (budget 1024, block 128, the default model, a ~4k-token
+   passkey prompt), one per arm, the order reversed every other round. Arms: "main" (the code as it is)
+   and the candidates, patched in from here (`--arms`): `top_indices` reading the kept entries with
+   `masked_select` of a cached `arange` (one operation fewer than `nonzero` + column slice),
+   `keydiff_scores` taking product and sum in one `linalg.vecdot` call (same kernels, same bits), and
+   the method's hook run on one thread (`torch.set_num_threads(1)` around it, its own cost included).
+   Eviction time is measured by the bench's own `EvictionTimer` (the method's hooks + the cache's
+   gather); the kept positions of every layer are compared with main's.
+2. Lines: one more prefill (main's code) with each operation of an eviction timed alone (wall clock
+   around each statement; the gather as `TrimLayer.evict` does it), per eviction.
 3. Stacked (idea: one scoring + top-k over every layer's keys at once instead of 30 small calls): on
    random keys of the prefill's shape (30 layers of `(1, 3, 1147, 64)`), the scores and kept indices of
    all layers by one call on a stacked `(30, 3, 1147, 64)` tensor (stacking copy included, and without
    it: keys already in one buffer) against 30 per-layer calls. Before each layer's call ~18 MB (one
    layer's weights) are read, before the stacked call 30 times that, as the model's own work would.
 
-A machine shared with other work drifts by more than the change between runs minutes apart; the
+A machine shared with other work drifts by more than these changes between runs minutes apart; the
 interleaved rounds and the paired medians are what make the comparison.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import platform
@@ -42,28 +44,31 @@ from kvtrim.bench.runner import prompt_ids
 from kvtrim.bench.timing import EvictionTimer
 
 
-# ---- the previous implementations (main 6072175) ---------------------------------------------------------
-def _top_without_ties_previous(scores, k):
-    n = scores.shape[-1]
-    threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values
-    above = (scores > threshold).nonzero()
-    if above.shape[0] != scores.numel() // n * k:
-        return None
-    return above[:, -1].view(*scores.shape[:-1], k)
+# ---- candidate rewrites (same bits, same kept sets) -----------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _entry_numbers(n: int) -> torch.Tensor:
+    return torch.arange(n)
 
 
-def top_indices_previous(scores, k):
+def top_indices_masked(scores, k):
+    """main's `top_indices` on CPU with `masked_select` of a cached arange instead of `nonzero` + slice."""
     n = scores.shape[-1]
     if k >= n:
-        return torch.arange(n, device=scores.device).expand_as(scores)
-    if scores.device.type == "cpu":
-        found = _top_without_ties_previous(scores, k)
-        if found is not None:
-            return found
-    return base_mod._top_by_sort(scores, k) if n < 1024 else base_mod._top_by_threshold(scores, k)
+        return torch.arange(n).expand_as(scores)
+    threshold = scores.kthvalue(n - k, dim=-1, keepdim=True).values
+    above = torch.masked_select(_entry_numbers(n), scores > threshold)
+    if above.shape[0] != scores.numel() // n * k:
+        return base_mod._top_by_sort(scores, k) if n < 1024 else base_mod._top_by_threshold(scores, k)
+    return above.view(*scores.shape[:-1], k)
 
 
-PREVIOUS = [(base_mod, "top_indices", top_indices_previous)]
+def keydiff_scores_vecdot(keys, eps=1e-12):
+    """main's `keydiff_scores` with product and sum in one `linalg.vecdot` call (same bits)."""
+    k = keys if keys.dtype == torch.float32 else keys.float()
+    unit = k / k.norm(dim=-1, keepdim=True).clamp_min_(eps)
+    anchor = unit.mean(dim=-2, keepdim=True)
+    anchor = anchor.div_(anchor.norm(dim=-1, keepdim=True).clamp_min_(eps).neg_())
+    return torch.linalg.vecdot(unit, anchor)
 
 
 def _hook_on_one_thread(hook):
@@ -80,8 +85,12 @@ def _hook_on_one_thread(hook):
     return wrapper
 
 
-ARMS = {"previous": PREVIOUS, "current": [],
-        "current, hook on 1 thread": [(keydiff_mod.KeyDiff, "on_update", _hook_on_one_thread(keydiff_mod.KeyDiff.on_update))]}
+ARMS = {
+    "main": [],
+    "masked_select top-k": [(base_mod, "top_indices", top_indices_masked)],
+    "vecdot scores": [(keydiff_mod, "keydiff_scores", keydiff_scores_vecdot)],
+    "hook on 1 thread": [(keydiff_mod.KeyDiff, "on_update", _hook_on_one_thread(keydiff_mod.KeyDiff.on_update))],
+}
 
 
 def run_prefill(model, ids, patches=(), budget: int = 1024) -> dict:
@@ -148,12 +157,12 @@ def top_indices_lines(scores, k):
     t = _clock("select: kthvalue", t)
     above = scores > threshold
     t = _clock("select: compare (tiny)", t)
-    found = torch.masked_select(base_mod._entry_numbers(n, scores.device), above)
-    t = _clock("select: masked_select", t)
+    found = above.nonzero()
+    t = _clock("select: nonzero", t)
     if found.shape[0] != scores.numel() // n * k:
         return base_mod._top_by_threshold(scores, k)
-    out = found.view(*scores.shape[:-1], k)
-    _clock("select: view (+ count check)", t)
+    out = found[:, -1].view(*scores.shape[:-1], k)
+    _clock("select: column slice + view (+ count check)", t)
     return out
 
 
@@ -220,6 +229,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from: {', '.join(ARMS)}")
     parser.add_argument("--out", default="benchmarks/costfloor/ab_prefill.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -228,7 +238,7 @@ def main() -> None:
     ids = prompt_ids(tok, args.length, 0)
     with torch.no_grad():  # warm-up (first calls), not measured
         kvtrim.prefill(model, ids[:, :512], cache_mod.TrimCache(keydiff_mod.KeyDiff(budget=256), config=model.config))
-    arms = list(ARMS) if args.threads > 1 else ["previous", "current"]
+    arms = args.arms.split(",")
     runs = {name: [] for name in arms}
     same = True
     for r in range(args.rounds):
@@ -239,9 +249,9 @@ def main() -> None:
             row = {k: v for k, v in got[name].items() if k != "positions"}
             row["share"] = row["evict_s"] / row["prefill_s"]
             runs[name].append(row)
-            print(f"round {r} {name:26s} prefill {row['prefill_s']:.2f} s, eviction {row['evict_s'] * 1e3:.0f} ms "
+            print(f"round {r} {name:20s} prefill {row['prefill_s']:.2f} s, eviction {row['evict_s'] * 1e3:.0f} ms "
                   f"({row['share'] * 100:.2f} %), {row['evict_s'] / row['evictions'] * 1e6:.0f} us/eviction", flush=True)
-        same &= all(all(torch.equal(a, b) for a, b in zip(got["previous"]["positions"], got[name]["positions"]))
+        same &= all(all(torch.equal(a, b) for a, b in zip(got[arms[0]]["positions"], got[name]["positions"]))
                     for name in arms)
     LINES.clear()
     lines_run = run_prefill(model, ids, LINE_PATCHES)
@@ -259,13 +269,13 @@ def main() -> None:
                       "gather_us_per_eviction_median": statistics.median(
                           row["gather_s"] / row["evictions"] * 1e6 for row in runs[name])}
                for name in runs}
-    paired = [c["evict_s"] / p["evict_s"] for p, c in zip(runs["previous"], runs["current"])]
+    paired = {name: [c["evict_s"] / p["evict_s"] for p, c in zip(runs[arms[0]], runs[name])] for name in arms[1:]}
     result = {
         "command": f"PYTHONPATH=src python benchmarks/costfloor/ab_prefill.py --threads {args.threads} "
-                   f"--length {args.length} --rounds {args.rounds} --out {args.out}",
+                   f"--length {args.length} --rounds {args.rounds} --arms '{args.arms}' --out {args.out}",
         "torch": torch.__version__, "processor": platform.processor() or platform.machine(),
         "prompt_tokens": int(ids.shape[-1]), "loadavg_start": load_start, "runs": runs, "summary": summary,
-        "current_over_previous_eviction_time_per_round": paired, "same_kept_positions": same,
+        "eviction_time_over_first_arm_per_round": paired, "same_kept_positions": same,
         "lines_us_per_eviction": per_eviction, "lines_prefill_s": lines_run["prefill_s"],
         "lines_evictions": lines_run["evictions"], "stacked_vs_per_layer": stacked,
         "loadavg_end": list(os.getloadavg()),
@@ -273,7 +283,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(summary, indent=1))
-    print("current / previous eviction time per round:", [round(x, 3) for x in paired], "same kept positions:", same)
+    print("eviction time / first arm's, per round:", {k: [round(x, 3) for x in v] for k, v in paired.items()},
+          "same kept positions:", same)
     for name, us in per_eviction.items():
         print(f"{name:55s} {us:7.1f} us")
     print("stacked vs per layer (s per block):", {k: v for k, v in stacked.items() if not isinstance(v, list)})
