@@ -15,7 +15,7 @@ import kvtrim
 from kvtrim.bench.runner import decode, prefill_schedule
 from kvtrim.cache import TrimCache, TrimLayer, flat_rows
 from kvtrim.methods.base import Phase, _top_by_sort, _top_by_threshold, top_indices
-from kvtrim.methods.keydiff import KeyDiff, keydiff_scores
+from kvtrim.methods.keydiff import KeyDiff, keydiff_keep, keydiff_scores
 from kvtrim.methods.lagkv import lag_relative_scores
 from kvtrim.specs import parse_method_spec
 from conftest import tiny_model
@@ -146,6 +146,30 @@ def test_top_indices_equals_its_predecessor_and_a_stable_sort(n, levels):
             got = top_indices(scores, k)
             assert torch.equal(got, top_indices_before(scores, k)), (k, trial)
             assert torch.equal(got, stable_sort_top(scores, min(k, n)))
+
+
+def slow_top(scores, k):
+    """The definition, one row at a time in Python: the `k` best, ties to the earlier entry, in order."""
+    rows = []
+    for row in scores.reshape(-1, scores.shape[-1]).tolist():
+        rows.append(sorted(sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]))
+    return torch.tensor(rows, dtype=torch.long).view(*scores.shape[:-1], k)
+
+
+@pytest.mark.parametrize("kind", ["gauss", "levels", "aligned", "special"])
+@pytest.mark.parametrize("n_keep", [1019, 1024, 1])
+def test_keydiff_block_eviction_keeps_what_the_definition_keeps(kind, n_keep):
+    """One block-wise eviction at SmolLM2's layer shape (1019 or 1024 kept of 1147 candidates): the kept
+    indices equal the slow definition (Python sort of the previous float32 scores, ties to the earlier
+    entry), with protected entries too."""
+    keys = _keys(11, (1, 3, 1147, 64), kind)
+    scores = keydiff_scores_before(keys)
+    assert torch.equal(keydiff_keep(keys, n_keep), slow_top(scores, n_keep))
+    protected = scores.clone()
+    protected[..., :4] = float("inf")  # sink_size=4, recent_size=16: kept first, ties go to the earliest
+    protected[..., -16:] = float("inf")
+    want = slow_top(protected, n_keep)
+    assert torch.equal(keydiff_keep(keys, n_keep, sink_size=4, recent_size=16), want)
 
 
 @pytest.mark.parametrize("n", [5, 300, 1024, 2049])
