@@ -3,8 +3,8 @@
 
     PYTHONPATH=src python benchmarks/costfloor/decode_profile.py [--threads 2] [--length 1024] [--out FILE.json]
 
-A passkey prompt of `--length` tokens (default model, float32) is prefilled once per method at
-compression ratio 0.75 (`at_budget`, as `kvtrim bench` sizes it), then `--steps` greedy decode steps are
+A passkey prompt of `--length` tokens (default model, float32) is prefilled once per method with a budget
+of `--budget` entries per layer and KV head (default 1000: ~1k entries, one leaving per step), then `--steps` greedy decode steps are
 timed, interleaved with the same steps on a full cache holding the same number of entries per layer
 (`same_size_full_cache`, the bench's physical limit) — the in-place path, and the copying path
 (`TrimCache(in_place_decode=False)`). Per step (median over `--repeats` rounds): the whole step, and,
@@ -67,9 +67,9 @@ class Clocks:
         return out
 
 
-def build(model, ids, name: str, in_place: bool):
-    """A cache prefilled with `ids` by method `name` at compression ratio 0.75, and the last logits `(1, vocab)`."""
-    method = parse_method_spec(name).build(ids.shape[-1], 0.75)
+def build(model, ids, name: str, in_place: bool, budget: int):
+    """A cache prefilled with `ids` by method `name` at `budget`, and the last logits `(1, vocab)`."""
+    method = parse_method_spec(f"{name}:budget={budget}").build(ids.shape[-1], 0.75)
     cache = kvtrim.TrimCache(method, config=model.config, in_place_decode=in_place)
     with torch.no_grad():
         return cache, kvtrim.prefill(model, ids, cache)
@@ -94,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
@@ -111,7 +112,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in METHODS:
                 for in_place in (True, False):
-                    cache, logits = build(model, ids, name, in_place)
+                    cache, logits = build(model, ids, name, in_place, args.budget)
                     hook_name = "on_attention" if cache.method.waits_for_attention else "on_update"
                     clocks.wrap(cache.method, hook_name, "method hook")  # an instance attribute, removed below
                     shapes = stored_shapes(cache)
