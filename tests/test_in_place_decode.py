@@ -117,6 +117,25 @@ def test_appends_copies_and_batch_selection_after_in_place_steps_match_copying(n
     torch.testing.assert_close(twin_logits, ref_twin, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cache_prefilled_under_inference_mode_decodes_outside_it_by_copying():
+    model = kvtrim.enable(tiny_model("llama"))
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = kvtrim.TrimCache(kvtrim.H2O(budget=16), config=model.config)
+    with torch.inference_mode():
+        logits = model(ids, cache=cache).logits[:, -1]
+        for _ in range(3):  # in place inside inference mode
+            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+    assert all(layer.free_slots is not None for layer in cache.layers)
+    with torch.no_grad():  # outside it, inference tensors cannot be written: settled and copied once
+        logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+        assert all(layer.free_slots is None and torch.equal(layer.positions, layer.kept_positions())
+                   for layer in cache.layers)
+        for _ in range(3):  # then in place again, in tensors of its own
+            logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+    for layer in cache.layers:
+        assert layer.free_slots is not None and layer.stored == 16 and not layer.keys.is_inference()
+
+
 def test_the_off_switch_and_methods_without_the_flag_never_run_in_place():
     model = kvtrim.enable(tiny_model("llama"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))

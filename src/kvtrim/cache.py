@@ -479,9 +479,11 @@ class TrimLayer(DynamicLayer):
     # ---- in-place decoding -----------------------------------------------------------------------
     def _runs_in_place(self, phase: Phase, q: int) -> bool:
         """This forward may run in place: a single-token decode step of a dense, unpadded layer whose
-        method opted in (`in_place_decode`)."""
+        method opted in (`in_place_decode`), whose tensors may be written."""
         return (q == 1 and phase is Phase.DECODE and self.in_place_decode and self.method.in_place_decode
-                and self.seq is None and self.storage is None)
+                and self.seq is None and self.storage is None
+                # tensors made under torch.inference_mode cannot be written outside it: copy instead
+                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
 
     def _write_free(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
         """Write this step's entry `(batch, kv_heads, 1, ...)` of each row into the row's free slot."""
