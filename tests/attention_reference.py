@@ -72,7 +72,8 @@ def snapkv_reference(q, k, window, kernel, pooling, budget, scale):
 def drive(method: EvictionMethod, q, k, v, prompt: int, scale: float, probs: bool = True):
     """Feed a `TrimLayer` a prompt of `prompt` positions, then one position per decode step.
 
-    Returns the layer and, per step (prompt = step 0), a copy of `layer.positions` after the step.
+    Returns the layer and, per step (prompt = step 0), the kept positions after the step (sorted:
+    `kept_positions()`, whatever the storage order of in-place decoding).
     Decode steps hand over the probabilities that `attend_with_probabilities` used for the output.
     """
     layer = TrimLayer(method, 0)
@@ -80,12 +81,12 @@ def drive(method: EvictionMethod, q, k, v, prompt: int, scale: float, probs: boo
     layer.update(k[:, :, :prompt], v[:, :, :prompt])
     layer.after_attention(q[:, :, :prompt], None, scale)
     layer.end_prompt()  # what kvtrim.prefill declares (a standalone layer is not told)
-    history.append(layer.positions.clone())
+    history.append(layer.kept_positions())
     for t in range(prompt, q.shape[2]):
         full_k, full_v = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
         _, p = attend_with_probabilities(q[:, :, t : t + 1], full_k, full_v, None, scale)
         layer.after_attention(q[:, :, t : t + 1], p if probs else None, scale)
-        history.append(layer.positions.clone())
+        history.append(layer.kept_positions())
     return layer, history
 
 

@@ -148,11 +148,11 @@ def test_decoding_with_eviction_matches_masked_full_cache_reference(method):
     got = []
     with torch.no_grad():
         model(ids[:, :n0], cache=cache)
-        kept_before_step.append([layer.positions.clone() for layer in cache.layers])
+        kept_before_step.append([layer.kept_positions() for layer in cache.layers])
         for t in range(steps - 1):
             # positions come from the cache's seen count: no position_ids passed here
             got.append(model(ids[:, n0 + t : n0 + t + 1], cache=cache).logits[:, -1])
-            kept_before_step.append([layer.positions.clone() for layer in cache.layers])
+            kept_before_step.append([layer.kept_positions() for layer in cache.layers])
     ref = masked_reference_logits(model, ids, n0, kept_before_step[:-1])
     assert any(layer.evictions > 1 for layer in cache.layers)
     torch.testing.assert_close(torch.stack(got, 1), ref, rtol=1e-4, atol=1e-4)

@@ -12,6 +12,19 @@ Logical vs physical length (the contract every model forward relies on):
 Every layer keeps `positions` `(batch, kv_heads, n)`, the original position of each stored entry,
 sorted ascending per head. Kept entries are gathered into new, smaller tensors: memory is really freed.
 
+In-place decoding (methods with `in_place_decode`: H2O, TOVA, StreamingLLM; on unless
+`TrimCache(in_place_decode=False)`): a dense layer's decode step that evicts exactly one entry per row
+does not copy the layer. The method returns the slot leaving each row (`EvictOne`); the slot stays,
+marked free (`TrimLayer.free_slots`), and the next decode step writes its new key, value and position
+into it (`index_copy_`: no `torch.cat`, no gather; the key tensor is not reallocated). Storage order is
+then no longer position order, and one slot per row may be free: `layer.positions` / `layer.keys` are in
+slot order (`kept_positions()` gives the sorted positions; `stored`, `lengths` and `stats()` count live
+entries only). Any other forward (an append, a multi-entry eviction, a copy for a new question through
+`kvtrim.compress`) first puts the layer back in position order (`settle()`, one gather), so every
+other path sees today's layout. Attention is order-free, up to float rounding: summing in another
+order can change the last bits of a step's output (kept sets and tokens matched the copying path in
+the tests, `tests/test_in_place_decode.py`).
+
 Two storage layouts per layer (`TrimLayer.is_ragged`):
 
 * dense (the fast path): `keys`, `values` `(batch, kv_heads, n, head_dim)`, every `(sequence, kv_head)`
@@ -46,7 +59,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError, LayerView, Phase, check
+from kvtrim.methods.base import EvictionMethod, EvictOne, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.storage import PaddedView, RaggedKV, keep_mask
 
@@ -204,9 +217,16 @@ class TrimLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, method: EvictionMethod, layer_idx: int, owner: TrimCache | None = None):
+    def __init__(self, method: EvictionMethod, layer_idx: int, owner: TrimCache | None = None,
+                 in_place_decode: bool = True):
         super().__init__()
         self.method = method
+        #: decode steps of methods with `in_place_decode` reuse the slot they freed (module docstring)
+        self.in_place_decode = in_place_decode
+        #: `(batch, kv_heads)` the free slot of each row after an in-place eviction (None: no free slot)
+        self.free_slots: torch.Tensor | None = None
+        self._slot_order = False  # True once in-place decoding left entries out of position order
+        self._step_in_place = False  # this forward runs in place (the method's views say so)
         self.layer_idx = layer_idx
         self._owner = None if owner is None else weakref.ref(owner)
         self.positions: torch.Tensor | None = None
@@ -283,7 +303,7 @@ class TrimLayer(DynamicLayer):
             keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
             state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling, pass_info=info,
-            valid=valid,
+            valid=valid, in_place=self._step_in_place,
         )
 
     @property
@@ -409,6 +429,7 @@ class TrimLayer(DynamicLayer):
                 "or load the model with kvtrim.load_model()"
             )
         b, h, q = key_states.shape[:3]
+        self._step_in_place = False
         phase, ends, info = self._phase_of(q)
         if phase not in (Phase.PREFILL, Phase.SCORE) and self.prompt_tokens is None:
             owner = self.owner  # a cross-layer method ends the prompt of every layer at once
@@ -422,6 +443,9 @@ class TrimLayer(DynamicLayer):
             self.seq.new = real
             self.seq.seen = [s + n for s, n in zip(self.seq.seen, real)]
             self.seq.step_valid = valid
+        in_place = self._runs_in_place(phase, q)
+        if self._slot_order and not in_place:
+            self.settle()
         if self.is_ragged:
             return self._update_ragged(key_states, value_states, positions, phase, ends, q, info, valid)
         if phase is Phase.SCORE:  # attend to everything, store nothing, do not advance
@@ -433,9 +457,13 @@ class TrimLayer(DynamicLayer):
             self._awaiting_attention = True
             _PENDING_LAYER.set(weakref.ref(self))
             return self._scoring[0], self._scoring[1]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, positions], dim=-1)
+        if in_place and self.free_slots is not None:
+            self._write_free(key_states, value_states, positions)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = torch.cat([self.positions, positions], dim=-1)
+        self._step_in_place = in_place
         self.seen += q
         self.peak = max(self.peak, self.keys.shape[-2])
         if ends:
@@ -447,6 +475,62 @@ class TrimLayer(DynamicLayer):
         self._awaiting_attention = self.method.waits_for_attention
         _PENDING_LAYER.set(weakref.ref(self))  # also lets kvtrim's attention check the layer kind
         return full_keys, full_values
+
+    # ---- in-place decoding -----------------------------------------------------------------------
+    def _runs_in_place(self, phase: Phase, q: int) -> bool:
+        """This forward may run in place: a single-token decode step of a dense, unpadded layer whose
+        method opted in (`in_place_decode`), whose tensors may be written."""
+        return (q == 1 and phase is Phase.DECODE and self.in_place_decode and self.method.in_place_decode
+                and self.seq is None and self.storage is None
+                # tensors made under torch.inference_mode cannot be written outside it: copy instead
+                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
+
+    def _write_free(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write this step's entry `(batch, kv_heads, 1, ...)` of each row into the row's free slot."""
+        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
+            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()  # once (after a batch op)
+            self.positions = self.positions.contiguous()
+        rows = flat_rows(self.free_slots[..., None], self.keys.shape[2])
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(
+            0, rows, value_states.reshape(-1, value_states.shape[-1]))
+        self.positions.view(-1).index_copy_(0, rows, positions.reshape(-1))
+        self.free_slots = None
+
+    def settle(self) -> None:
+        """Put a layer that in-place decoding left in slot order back in position order, without its free
+        slots: one gather of the live entries, as an eviction (the method's state follows through
+        `gather_state`). Called before any forward that does not run in place; a no-op otherwise."""
+        if not self._slot_order:
+            return
+        if self.keys is None:
+            self._slot_order, self.free_slots = False, None
+            return
+        pos, n = self.positions, self.stored
+        if self.free_slots is not None:
+            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)  # free slots sort last
+        order = pos.argsort(dim=-1)[..., :n]
+        self._slot_order, self.free_slots = False, None
+        rows = flat_rows(order, self.keys.shape[2])
+        self.keys = select_rows(self.keys, rows, n)
+        self.values = select_rows(self.values, rows, n)
+        self.positions = self.positions.gather(2, order)
+        self.state = self.method.gather_state(self.state, order)
+
+    def kept_positions(self) -> torch.Tensor | None:
+        """`(batch, kv_heads, n)`: the positions of the stored entries, ascending per row whatever the storage
+        order (in-place decoding keeps them in slot order; free slots left out). A ragged layer: its
+        storage's positions (-1 past each row's length). None before the first update."""
+        if self.is_ragged:
+            return self.storage.positions.clone()
+        if self.positions is None:
+            return None
+        if not self._slot_order:
+            return self.positions.clone()
+        pos = self.positions
+        if self.free_slots is not None:
+            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)
+        return pos.sort(dim=-1).values[..., : self.stored]
 
     def _start_padded(self, key_states: torch.Tensor) -> None:
         """The first forward of a padded batch: ragged storage from the start (pads are never stored), and
@@ -554,12 +638,21 @@ class TrimLayer(DynamicLayer):
         if isinstance(keep, _PerSequence):
             self._evict_per_sequence(keep)
             return
+        if isinstance(keep, EvictOne):  # in place: the slot stays, free for the next step's entry
+            check(self._step_in_place and self.free_slots is None,
+                  "EvictOne is only for in-place decode steps (view.in_place)")
+            self.free_slots = keep.slots
+            self._slot_order = True
+            self.state = self.method.free_state(self.state, keep.slots)
+            self.evictions += 1
+            return
         if self.is_ragged:
             self.storage.evict(keep)
             self._after_evict(keep)
             return
         b, h, n = self.positions.shape
         if keep.dtype == torch.bool or (keep.numel() > 0 and int(keep.min()) < 0):
+            check(not self._slot_order, "a layer in slot order (in-place decoding) takes kept indices or EvictOne")
             mask = keep_mask(keep, torch.full((b, h), n, dtype=torch.long, device=keep.device), n)
             counts = mask.sum(-1)
             if bool((counts != counts.max()).any()):
@@ -603,7 +696,7 @@ class TrimLayer(DynamicLayer):
         """Entries per row of a dense layer; the longest row of a ragged one (the padded view's width)."""
         if self.is_ragged:
             return self.storage.width
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return 0 if self.keys is None else self.keys.shape[-2] - (self.free_slots is not None)
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -612,8 +705,8 @@ class TrimLayer(DynamicLayer):
             return self.storage.lengths.clone()
         if self.positions is None:
             return None
-        b, h, n = self.positions.shape
-        return torch.full((b, h), n, dtype=torch.long, device=self.positions.device)
+        b, h = self.positions.shape[:2]
+        return torch.full((b, h), self.stored, dtype=torch.long, device=self.positions.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this layer's keys and values (the pools of a ragged layer)."""
@@ -636,13 +729,17 @@ class TrimLayer(DynamicLayer):
         if self.is_ragged:
             s = self.storage
             return s.batch, s.kv_heads, -(-s.stored // (s.batch * s.kv_heads)), s.head_dim
-        return None if self.keys is None else tuple(self.keys.shape)
+        if self.keys is None:
+            return None
+        b, h, _, d = self.keys.shape
+        return b, h, self.stored, d
 
     def ideal_bytes(self) -> int:
         """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
         if self.is_ragged:
             return self.storage.ideal_bytes()
-        return sum(t.numel() * t.element_size() for t in self.kv_tensors())
+        held = sum(t.numel() * t.element_size() for t in self.kv_tensors())
+        return held - (self.entry_bytes() if self.free_slots is not None else 0)  # one free slot per row
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -657,7 +754,8 @@ class TrimLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.positions = self.storage = self._ragged_step = None
+        self.positions = self.storage = self._ragged_step = self.free_slots = None
+        self._slot_order = self._step_in_place = False
         self.seen = self.peak = self.evictions = 0
         self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
@@ -673,6 +771,8 @@ class TrimLayer(DynamicLayer):
             self.storage.select_batch(rows())
         else:
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+            if self.free_slots is not None:  # `(batch, kv_heads)`: follows its sequence
+                self.free_slots = fn(self.free_slots)
         if self.seq is not None:  # a padded batch: per-sequence state follows its sequence
             picked = rows().tolist()
             self.seq = self.seq.select(picked)
@@ -702,7 +802,7 @@ class TrimLayer(DynamicLayer):
         check(not self._awaiting_attention, "cannot copy a cache layer in the middle of a forward")
         new = copy.copy(self)
         new._owner = None if owner is None else weakref.ref(owner)
-        for name in ("keys", "values", "positions", "_prompt_queries", "storage"):
+        for name in ("keys", "values", "positions", "_prompt_queries", "storage", "free_slots"):
             value = getattr(self, name)
             setattr(new, name, None if value is None else list(value) if isinstance(value, list) else value.clone())
         new._ragged_step = None
@@ -796,6 +896,9 @@ class TrimCache(Cache):
         padded: treat the batch as a padded batch from its first forward even if that forward has no pads
             (so that later forwards may bring some, e.g. questions of different lengths); default False:
             a batch is padded when its first forward's attention mask has pads.
+        in_place_decode: decode steps of methods that evict one entry per step (H2O, TOVA, StreamingLLM
+            with a budget) reuse the freed slot instead of copying the layer (default True; storage order
+            is then slot order, see the module docstring); False: every step copies, as before.
 
     Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))`.
 
@@ -812,8 +915,13 @@ class TrimCache(Cache):
     `end_prompt()` is called. Later multi-token forwards are appends (a question, a new turn).
     """
 
-    def __init__(self, method: EvictionMethod | None = None, config=None, padded: bool = False):
+    def __init__(self, method: EvictionMethod | None = None, config=None, padded: bool = False,
+                 in_place_decode: bool = True):
         check(isinstance(padded, bool), f"padded must be true or false, got {padded!r}")
+        check(isinstance(in_place_decode, bool), f"in_place_decode must be true or false, got {in_place_decode!r}")
+        #: decode steps that evict one entry per row reuse its slot instead of copying the layer (methods
+        #: with `in_place_decode`; see the module docstring); False: the copying path
+        self.in_place_decode = in_place_decode
         #: True: a padded batch from the first forward even without pads in it (later forwards may bring
         #: some: questions of different lengths after a compressed context); set by `kvtrim.compress`
         self.padded = padded
@@ -826,7 +934,7 @@ class TrimCache(Cache):
             types, per_layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             for idx, (kind, kwargs) in enumerate(zip(types, per_layer_kwargs)):
                 if kind == "full_attention":
-                    layers.append(TrimLayer(self.method, idx, owner=self))
+                    layers.append(TrimLayer(self.method, idx, owner=self, in_place_decode=in_place_decode))
                 elif kind in ("sliding_attention", "chunked_attention"):
                     layers.append(DynamicSlidingWindowLayer(**kwargs))
                 else:
@@ -898,7 +1006,8 @@ class TrimCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(TrimLayer(self.method, len(self.layers), owner=self))
+            self.layers.append(TrimLayer(self.method, len(self.layers), owner=self,
+                                         in_place_decode=self.in_place_decode))
         layer = self.layers[layer_idx]
         if not isinstance(layer, TrimLayer):
             return layer.update(key_states, value_states, *args, **kwargs)

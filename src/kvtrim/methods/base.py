@@ -29,6 +29,14 @@ infers it from the number of new tokens:
   need queries, `view.queries` holds the last `prompt_queries()` queries of the prompt's last forward);
 * `new_state(layer_idx)` / `gather_state(state, keep)`: per-layer state, reduced with the kept indices.
 
+**In-place decoding** (`in_place_decode = True`, opt-in per method; `TrimCache(in_place_decode=False)`
+turns it off): a dense layer's decode step may instead write its new entry into the slot its previous
+step freed, so storage order is no longer position order. Such steps hand the method a view with
+`view.in_place` True: order comes from `view.positions` only, and a method that evicts exactly one
+entry per row returns `EvictOne(slots)` (the slot leaving, per row) instead of kept indices; the cache
+tells the state with `free_state(state, slots)`. `ScoringMethod` does this for its subclasses through
+`evicted_slot`; any other number of entries leaving is returned as kept indices in position order.
+
 **Ranking methods** subclass `ScoringMethod` and implement only `score(view)`: the base owns the size
 (`budget=` / `compression_ratio=`), the kept-count rounding (`kept_count`), protected sinks and recent
 entries, the schedule (`Schedule`) and the tie-stable top-k (`top_indices`).
@@ -147,13 +155,16 @@ class LayerView:
     """A read-only view of one cache layer, handed to a method's hooks.
 
     keys, values: `(batch, kv_heads, n, head_dim)`, every stored entry (this forward's included).
-    positions: `(batch, kv_heads, n)`, original positions, ascending per head.
+    positions: `(batch, kv_heads, n)`, original positions, ascending per head (except `in_place` views).
     seen: tokens this layer has seen (this forward's included). n_new: entries this forward appended.
     prompt_tokens: length of the prompt once it ended (set on the `prompt_end` call), else None.
     state: the method's own per-layer state (the method may mutate it; nothing else does).
     queries: `(batch, q_heads, q_len, head_dim)` post-RoPE (in `on_attention` / `on_prompt_end` of
     methods that need them). attention: `(batch, q_heads, 1, n)` probabilities of a single-token step
     (methods with `needs_attention`). scaling: the softmax scale the layer used.
+    in_place: True in an in-place decode step (see the module docstring): entries are in slot order,
+    `positions` are not sorted (order by them, never by index), and evicting exactly one entry per row
+    is returned as `EvictOne`.
     valid: None for a dense layer (every entry stored); for a ragged layer (`TrimLayer.is_ragged`) the
     `(batch, kv_heads, n)` bool mask of the stored entries of its padded view (`n` = the longest row;
     entries past a row's length hold filler, positions -1). Methods evicting from ragged layers return
@@ -175,6 +186,7 @@ class LayerView:
     scaling: float | None = None
     pass_info: Any = None
     valid: torch.Tensor | None = None
+    in_place: bool = False
 
     @property
     def stored(self) -> int:
@@ -201,6 +213,16 @@ class LayerView:
         check(self.queries is not None,
               f"{method} needs the layer's queries: run the model with kvtrim.enable(model)")
         return self.queries
+
+
+@dataclass(frozen=True, slots=True)
+class EvictOne:
+    """What a method returns in an `in_place` decode step when exactly one entry per row leaves.
+
+    slots: `(batch, kv_heads)` int64, the storage index (in the view) of the entry leaving each row; the
+    cache writes the next step's entry there instead of copying the kept ones."""
+
+    slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -243,6 +265,9 @@ class EvictionMethod:
     scoring_passes: ClassVar[bool] = False
     #: True when the prompt's compression is decided across layers at once (`select_layers`)
     cross_layer: ClassVar[bool] = False
+    #: True when the method's decode steps can run in place (module docstring): its hooks read order from
+    #: `view.positions` when `view.in_place`, return `EvictOne` for one entry per row, and `free_state` follows
+    in_place_decode: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -284,7 +309,13 @@ class EvictionMethod:
         return []
 
     def gather_state(self, state: Any, keep: torch.Tensor) -> Any:
-        """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept."""
+        """Return the state after the entries `keep` `(batch, kv_heads, n_keep)` were kept (in-place layers
+        put their entries back in position order with it too: `keep` is then any permutation of slots)."""
+        return state
+
+    def free_state(self, state: Any, slots: torch.Tensor) -> Any:
+        """In-place decoding: return the state after the entries at `slots` `(batch, kv_heads)` left; the
+        next step's new entry takes the same slot (per-entry state there must start afresh)."""
         return state
 
     def prefill_block_size(self) -> int | None:
@@ -409,12 +440,29 @@ class ScoringMethod(EvictionMethod):
         due = sched.decode_slack is not None and view.stored >= budget + sched.decode_slack
         return budget if due else None
 
-    def evict_if_due(self, view: LayerView) -> torch.Tensor | None:
+    def evicted_slot(self, view: LayerView, scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+        """In-place decode steps (`view.in_place`, `view.stored == n_keep + 1`): `(batch, kv_heads)` the slot
+        of the one entry `select` would drop from each row, read in position order. Default: `keep_top`'s
+        rule (protected entries by position rank, then the lowest score, ties -> the latest position).
+        Subclasses that override `select` and opt into `in_place_decode` override this too."""
+        first, last = self.protected(view, n_keep)
+        return lowest_slot(scores, view.positions, first, last)
+
+    def evict_if_due(self, view: LayerView) -> torch.Tensor | EvictOne | None:
         n_keep = self.target(view)
         if n_keep is None or view.stored <= n_keep:
             return None
         scores = self.score(view)
-        return None if scores is None else self.select(view, scores, n_keep)
+        if scores is None:
+            return None
+        if not view.in_place:
+            return self.select(view, scores, n_keep)
+        if view.stored == n_keep + 1:
+            return EvictOne(self.evicted_slot(view, scores, n_keep))
+        # more than one leaves: `select` on the scores in position order (for selections that read only the
+        # scores and the sizes), mapped back to slots, kept in position order
+        order = view.positions.argsort(dim=-1)
+        return order.gather(-1, self.select(view, scores.gather(-1, order), n_keep))
 
     def on_update(self, view):
         if self.waits_for_attention:
@@ -438,6 +486,30 @@ def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     """`arange(start, stop)` broadcast to `(batch, kv_heads, stop - start)` of `like` `(batch, kv_heads, ...)`."""
     b, h = like.shape[:2]
     return torch.arange(start, stop, device=like.device).expand(b, h, stop - start)
+
+
+def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, first: int = 0, last: int = 0) -> torch.Tensor:
+    """The entry `keep_top(.., n - 1, first, last)` drops, for entries in any storage order.
+
+    Args:
+        scores: `(..., n)`; positions: `(..., n)` distinct per row, giving the order (the first `first` and
+            last `last` by position are protected).
+    Returns:
+        `(...)` int64 index of the lowest score among the unprotected entries, ties -> the latest position
+        (top-k's ties go to the earlier entry); all protected: the latest of them.
+    """
+    n = positions.shape[-1]
+    protect = None  # (one comparison per protected end: this runs once per layer and decode step)
+    if first:
+        protect = positions <= positions.kthvalue(min(first, n), dim=-1, keepdim=True).values
+    if last:
+        newest = (positions > positions.kthvalue(n - last, dim=-1, keepdim=True).values if last < n
+                  else torch.ones_like(positions, dtype=torch.bool))
+        protect = newest if protect is None else protect | newest
+    if protect is not None:
+        scores = scores.float().masked_fill(protect, torch.inf)
+    low = scores.amin(dim=-1, keepdim=True)
+    return positions.masked_fill(scores != low, -1).argmax(dim=-1)
 
 
 def keep_top(scores: torch.Tensor, n_keep: int, first: int = 0, last: int = 0) -> torch.Tensor:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtrim.methods.attention_scores import causal_attention, grouped
-from kvtrim.methods.base import Schedule, ScoringMethod, check, kept_count, span, top_indices
+from kvtrim.methods.base import Schedule, ScoringMethod, check, kept_count, lowest_slot, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -116,6 +116,7 @@ class H2O(ScoringMethod):
     summary = "accumulated attention (heavy hitters) + recent window, step-wise at decode (H2O); needs kvtrim attention"
     needs_queries = True
     needs_attention = True
+    in_place_decode = True
     size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")
 
     heavy_budget: int | None = None
@@ -164,6 +165,9 @@ class H2O(ScoringMethod):
         state: _H2OState = view.state
         b, hkv, n = view.keys.shape[:3]
         old = 0 if state.scores is None else state.scores.shape[-1]
+        if old == n and view.attention is not None:  # an in-place step: the new entry took a freed slot (score 0)
+            state.scores += decode_attention_sums(view.attention, hkv)
+            return
         grown = torch.zeros(b, hkv, n, dtype=torch.float32, device=view.keys.device)
         if state.scores is not None:
             grown[..., :old] = state.scores
@@ -181,6 +185,15 @@ class H2O(ScoringMethod):
         heavy, recent = (self.heavy_budget, self.recent_budget) if self.heavy_budget is not None else split_budget(n_keep)
         return h2o_keep(scores, heavy, recent)
 
+    def evicted_slot(self, view, scores, n_keep):
+        # the slot h2o_keep drops: the lowest score outside the `recent` newest positions
+        recent = self.recent_budget if self.heavy_budget is not None else split_budget(n_keep)[1]
+        return lowest_slot(scores, view.positions, last=recent)
+
     def gather_state(self, state: _H2OState, keep):
         state.scores = state.scores.gather(-1, keep)
+        return state
+
+    def free_state(self, state: _H2OState, slots):
+        state.scores.scatter_(-1, slots[..., None], 0.0)  # the next entry in this slot starts at 0
         return state

@@ -27,8 +27,9 @@ class StreamingLLM(ScoringMethod):
         compression_ratio: fraction removed once, when the prompt ends, kvpress style; keeps
             `kept_count(n, compression_ratio)` entries; later tokens are appended without eviction.
 
-    The score is recency (the stored order is the position order); the selection is written directly
-    (sinks + the last entries) instead of a sort. At least one recent entry is always kept (with a
+    The score is recency (the stored order is the position order, except in in-place decode steps:
+    `evicted_slot` reads the positions); the selection is written directly (sinks + the last entries)
+    instead of a sort. At least one recent entry is always kept (with a
     ratio leaving no more than `sink_size` entries, fewer sinks are kept).
 
     Deviation from the paper: kept keys retain their original RoPE positions (the paper re-assigns
@@ -37,6 +38,7 @@ class StreamingLLM(ScoringMethod):
 
     name = "streaming"
     summary = "attention sinks + most recent tokens (StreamingLLM)"
+    in_place_decode = True
 
     sink_size: int = 4
 
@@ -56,3 +58,7 @@ class StreamingLLM(ScoringMethod):
 
     def select(self, view, scores, n_keep):
         return streaming_keep(view.stored, min(self.sink_size, n_keep - 1), n_keep, view.keys)
+
+    def evicted_slot(self, view, scores, n_keep):
+        # the entry streaming_keep drops: the first one after the sinks, by position
+        return view.positions.kthvalue(min(self.sink_size, n_keep - 1) + 1, dim=-1).indices
