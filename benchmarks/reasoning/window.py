@@ -3,7 +3,7 @@
 Generates `--samples` `list_recall` samples (seed 1: not the preset's samples, which use seed 0) greedily
 with the full cache on the preset's model, tracks every entry's maximum recurrence interval (MRI) as
 LazyEviction does, and takes the 80th percentile of the MRI of the entries that were attended again
-(the paper's rule). Writes `window.json` next to this script; `kvtrim.eval.presets` reads the number
+(the paper's rule). Writes `window.json` next to this script (or `--out`); `kvtrim.eval.presets` reads the number
 from there by hand (it is a committed measurement, not a run-time step).
 
     PYTHONPATH=src .venv/bin/python benchmarks/reasoning/window.py --samples 2
@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--percentile", type=float, default=80.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(HERE / "window.json"), help="where the result goes (JSON)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = kvtrim.load_model(args.model, dtype=torch.float32)
@@ -43,7 +44,7 @@ def main() -> None:
                                     max_new_tokens=max(s.max_new_tokens for s in samples), percentile=args.percentile)
     result = {"model": args.model, "task": args.task, "length": args.length, "samples": [s.id for s in samples],
               "percentile": args.percentile, "window": window, "seconds": round(time.perf_counter() - start, 1)}
-    (HERE / "window.json").write_text(json.dumps(result, indent=1) + "\n")
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(result)
 
 
