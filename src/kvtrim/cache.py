@@ -506,10 +506,7 @@ class TrimLayer(DynamicLayer):
         if self.keys is None:
             self._slot_order, self.free_slots = False, None
             return
-        pos, n = self.positions, self.stored
-        if self.free_slots is not None:
-            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)  # free slots sort last
-        order = pos.argsort(dim=-1)[..., :n]
+        n, order = self.stored, self._live_order()
         self._slot_order, self.free_slots = False, None
         rows = flat_rows(order, self.keys.shape[2])
         self.keys = select_rows(self.keys, rows, n)
@@ -527,10 +524,14 @@ class TrimLayer(DynamicLayer):
             return None
         if not self._slot_order:
             return self.positions.clone()
+        return self.positions.gather(-1, self._live_order())
+
+    def _live_order(self) -> torch.Tensor:
+        """`(batch, kv_heads, stored)`: the slots of the live entries in position order (free slots left out)."""
         pos = self.positions
         if self.free_slots is not None:
-            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)
-        return pos.sort(dim=-1).values[..., : self.stored]
+            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)  # free slots sort last
+        return pos.argsort(dim=-1)[..., : self.stored]
 
     def _start_padded(self, key_states: torch.Tensor) -> None:
         """The first forward of a padded batch: ragged storage from the start (pads are never stored), and
