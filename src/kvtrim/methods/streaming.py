@@ -56,9 +56,13 @@ class StreamingLLM(ScoringMethod):
     def score(self, view):
         return view.positions  # recency (select below needs no sort)
 
+    def sinks(self, n_keep: int) -> int:
+        """Sinks kept with `n_keep` entries: `sink_size`, but at least one recent entry stays."""
+        return min(self.sink_size, n_keep - 1)
+
     def select(self, view, scores, n_keep):
-        return streaming_keep(view.stored, min(self.sink_size, n_keep - 1), n_keep, view.keys)
+        return streaming_keep(view.stored, self.sinks(n_keep), n_keep, view.keys)
 
     def evicted_slot(self, view, scores, n_keep):
         # the entry streaming_keep drops: the first one after the sinks, by position
-        return view.positions.kthvalue(min(self.sink_size, n_keep - 1) + 1, dim=-1).indices
+        return view.positions.kthvalue(self.sinks(n_keep) + 1, dim=-1).indices
