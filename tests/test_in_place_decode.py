@@ -117,6 +117,46 @@ def test_appends_copies_and_batch_selection_after_in_place_steps_match_copying(n
     torch.testing.assert_close(twin_logits, ref_twin, rtol=1e-5, atol=1e-5)
 
 
+def test_h2o_reads_its_recent_window_off_counted_positions_and_falls_back_to_ranks_otherwise():
+    """With the default positions H2O finds its window from `seen` (no kthvalue); with custom position ids
+    (shifted by 1000 at every step: not the token index) the layer says so and H2O ranks the positions. Both
+    keep what the copying path keeps at every step."""
+    model = kvtrim.enable(tiny_model("llama", layers=2))
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(8))
+    for shift in (0, 1000):
+        runs = []
+        for in_place in (False, True):
+            cache = kvtrim.TrimCache(kvtrim.H2O(heavy_budget=5, recent_budget=9), config=model.config,
+                                     in_place_decode=in_place)
+            kept = []
+            with torch.no_grad():
+                pos = torch.arange(30)[None] + shift
+                logits = model(ids, cache=cache, position_ids=pos).logits[:, -1]
+                for step in range(40):
+                    pos = torch.tensor([[30 + step + shift]])
+                    logits = model(logits.argmax(-1, keepdim=True), cache=cache, position_ids=pos).logits[:, -1]
+                    kept.append([layer.kept_positions().tolist() for layer in cache.layers])
+            runs.append(kept)
+            assert all(layer.counted_positions == (shift == 0) for layer in cache.layers)
+        assert runs[0] == runs[1], shift
+
+
+@pytest.mark.parametrize("last", [1, 4, 11])
+def test_lowest_slot_with_the_window_start_given_drops_what_the_ranked_window_drops(last):
+    """`last_from` (the window's first position, known to the caller) against the kthvalue rule, for a row
+    whose newest `last` positions are the counted `seen - last` .. `seen - 1`, in any slot order."""
+    n, seen = 12, 40
+    gen = torch.Generator().manual_seed(last)
+    for seed in range(30):
+        old = torch.randperm(seen - last, generator=gen)[: n - last].sort().values
+        positions = torch.cat([old, torch.arange(seen - last, seen)]).expand(2, 3, n)
+        perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(6)]).view(2, 3, n)
+        scores = torch.randint(0, 3, (2, 3, n), generator=gen).float()  # many ties
+        s_pos, s_scores = positions.gather(-1, perm), scores.gather(-1, perm)
+        assert torch.equal(lowest_slot(s_scores, s_pos, last=last, last_from=seen - last),
+                           lowest_slot(s_scores, s_pos, last=last)), seed
+
+
 def test_a_cache_prefilled_under_inference_mode_decodes_outside_it_by_copying():
     model = kvtrim.enable(tiny_model("llama"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))

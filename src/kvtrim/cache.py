@@ -230,6 +230,9 @@ class TrimLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self._owner = None if owner is None else weakref.ref(owner)
         self.positions: torch.Tensor | None = None
+        #: every position this layer stored is its token's index (0, 1, 2, ... as fed: no custom position
+        #: ids), so the last `m` tokens appended sit at positions `seen - m` .. `seen - 1`
+        self.counted_positions = True
         self.seen = 0
         self.peak = 0
         self.evictions = 0
@@ -303,7 +306,7 @@ class TrimLayer(DynamicLayer):
             keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
             state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling, pass_info=info,
-            valid=valid, in_place=self._step_in_place,
+            valid=valid, in_place=self._step_in_place, counted_positions=self.counted_positions,
         )
 
     @property
@@ -402,11 +405,13 @@ class TrimLayer(DynamicLayer):
         *args,
         positions: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        counted: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `(batch, kv_heads, q, head_dim)` states; return the full states, keep the method's subset.
 
-        `positions`: `(batch, q)` original positions of the new tokens (default: `seen + arange(q)`).
+        `positions`: `(batch, q)` original positions of the new tokens (default: `seen + arange(q)`);
+        `counted`: the given `positions` are that default (see `counted_positions`).
         `valid`: `(batch, q)` bool, False for the pads of a padded batch (default: all real). A layer whose
         first forward has pads is a padded batch's layer for good: ragged storage that never stores a pad,
         the method run per sequence (`_decide`).
@@ -435,7 +440,9 @@ class TrimLayer(DynamicLayer):
             owner = self.owner  # a cross-layer method ends the prompt of every layer at once
             owner.end_prompt() if owner is not None and self.method.cross_layer else self.end_prompt()
         if positions is None:
-            positions = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q)
+            positions, counted = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, q), True
+        if not counted and phase is not Phase.SCORE:  # a scoring pass stores nothing
+            self.counted_positions = False
         positions = positions[:, None, :].expand(b, h, q)
         if self.seq is not None:
             check(phase is not Phase.SCORE, "scoring passes are not supported on a padded batch")
@@ -757,6 +764,7 @@ class TrimLayer(DynamicLayer):
         super().reset()
         self.positions = self.storage = self._ragged_step = self.free_slots = None
         self._slot_order = self._step_in_place = False
+        self.counted_positions = True
         self.seen = self.peak = self.evictions = 0
         self.prompt_tokens = None
         self.state = self.method.new_state(self.layer_idx)
@@ -947,6 +955,7 @@ class TrimCache(Cache):
         self._step_key: tuple[int, int] | None = None
         self._step_positions: torch.Tensor | None = None
         self._step_valid: torch.Tensor | None = None
+        self._step_counted = False
         #: True once kvtrim's attention function ran on this cache (or the caller knows the model runs it:
         #: `kvtrim.prefill` / `kvtrim.compress`); a layer only turns ragged then (stock attention cannot mask it)
         self.kvtrim_attention = False
@@ -1012,13 +1021,13 @@ class TrimCache(Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, TrimLayer):
             return layer.update(key_states, value_states, *args, **kwargs)
-        positions, valid = self._step(layer, key_states, kwargs.get("kwargs") or {})
-        return layer.update(key_states, value_states, positions=positions, valid=valid)
+        positions, valid, counted = self._step(layer, key_states, kwargs.get("kwargs") or {})
+        return layer.update(key_states, value_states, positions=positions, valid=valid, counted=counted)
 
     def _step(self, layer: TrimLayer, key_states: torch.Tensor,
-              model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """True positions `(batch, q)` of the new tokens and which are real `(batch, q)` bool (None: all),
-        worked out once per forward pass.
+              model_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """True positions `(batch, q)` of the new tokens, which are real `(batch, q)` bool (None: all), and
+        whether the positions are the layer's default count (`seen + arange(q)`), worked out once per forward.
 
         The models hand their `position_ids` to `update`; `generate` derives them from the attention mask
         (each sequence of a left-padded batch counts from 0 at its first real token). Which tokens are
@@ -1029,7 +1038,7 @@ class TrimCache(Cache):
         b, q = key_states.shape[0], key_states.shape[2]
         key = (layer.seen, q)
         if key == self._step_key and self._step_positions is not None:
-            return self._step_positions, self._step_valid
+            return self._step_positions, self._step_valid, self._step_counted
         recorded, mask = _take_padding_mask()
         valid = None
         if mask is not None:
@@ -1042,7 +1051,7 @@ class TrimCache(Cache):
             valid = torch.ones(b, q, dtype=torch.bool, device=key_states.device)  # per sequence from the start
         padded = valid is not None or layer.per_sequence
         expected = torch.arange(layer.seen, layer.seen + q, device=key_states.device)
-        positions = expected.expand(b, q)
+        positions = expanded = expected.expand(b, q)
         given = model_kwargs.get("position_ids")
         if isinstance(given, torch.Tensor) and given.ndim == 2 and given.shape[-1] == q:
             given = given.to(key_states.device).expand(b, q)
@@ -1058,8 +1067,9 @@ class TrimCache(Cache):
                         "kvtrim.load_model()" + ("" if recorded else " (no kvtrim attention mask was built)")
                     )
                 positions = given
-        self._step_key, self._step_positions, self._step_valid = key, positions, valid
-        return positions, valid
+        counted = positions is expanded and not padded
+        self._step_key, self._step_positions, self._step_valid, self._step_counted = key, positions, valid, counted
+        return positions, valid, counted
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:

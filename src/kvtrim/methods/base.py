@@ -169,6 +169,8 @@ class LayerView:
     `(batch, kv_heads, n)` bool mask of the stored entries of its padded view (`n` = the longest row;
     entries past a row's length hold filler, positions -1). Methods evicting from ragged layers return
     a keep mask or -1-padded indices (see `TrimLayer.evict`).
+    counted_positions: every position this layer ever stored is its token's index (0, 1, 2, ... as fed: no
+    custom position ids), so the last `m` tokens appended sit at positions `seen - m` .. `seen - 1`.
     """
 
     keys: torch.Tensor
@@ -187,6 +189,7 @@ class LayerView:
     pass_info: Any = None
     valid: torch.Tensor | None = None
     in_place: bool = False
+    counted_positions: bool = False
 
     @property
     def stored(self) -> int:
@@ -488,12 +491,17 @@ def span(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(start, stop, device=like.device).expand(b, h, stop - start)
 
 
-def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, first: int = 0, last: int = 0) -> torch.Tensor:
+def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, first: int = 0, last: int = 0,
+                last_from: int | None = None) -> torch.Tensor:
     """The entry `keep_top(.., n - 1, first, last)` drops, for entries in any storage order.
 
     Args:
         scores: `(..., n)`; positions: `(..., n)` distinct per row, giving the order (the first `first` and
             last `last` by position are protected).
+        last_from: when the caller knows that the last `last` by position are exactly those at positions
+            `>= last_from` in every row (H2O: its recent window always holds the last tokens appended, at
+            counted positions), one comparison replaces the `kthvalue` that finds them (the costliest
+            operation here: ~26 us of ~60 per layer and decode step, measured on SmolLM2 at 509 entries).
     Returns:
         `(...)` int64 index of the lowest score among the unprotected entries, ties -> the latest position
         (top-k's ties go to the earlier entry); all protected: the latest of them.
@@ -503,8 +511,12 @@ def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, first: int = 0, l
     if first:
         protect = positions <= positions.kthvalue(min(first, n), dim=-1, keepdim=True).values
     if last:
-        newest = (positions > positions.kthvalue(n - last, dim=-1, keepdim=True).values if last < n
-                  else torch.ones_like(positions, dtype=torch.bool))
+        if last_from is not None:
+            newest = positions >= last_from
+        elif last < n:
+            newest = positions > positions.kthvalue(n - last, dim=-1, keepdim=True).values
+        else:
+            newest = torch.ones_like(positions, dtype=torch.bool)
         protect = newest if protect is None else protect | newest
     if protect is not None:
         scores = scores.float().masked_fill(protect, torch.inf)

@@ -186,9 +186,12 @@ class H2O(ScoringMethod):
         return h2o_keep(scores, heavy, recent)
 
     def evicted_slot(self, view, scores, n_keep):
-        # the slot h2o_keep drops: the lowest score outside the `recent` newest positions
+        # the slot h2o_keep drops: the lowest score outside the `recent` newest positions. The window always
+        # holds the last `recent` tokens appended (every cut keeps them), so with counted positions it is
+        # the entries at positions >= seen - recent: no kthvalue needed to find it
         recent = self.recent_budget if self.heavy_budget is not None else split_budget(n_keep)[1]
-        return lowest_slot(scores, view.positions, last=recent)
+        last_from = view.seen - recent if view.counted_positions else None
+        return lowest_slot(scores, view.positions, last=recent, last_from=last_from)
 
     def gather_state(self, state: _H2OState, keep):
         state.scores = state.scores.gather(-1, keep)
