@@ -68,9 +68,11 @@ def attend_with_probabilities(
     b, h, q, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     group = h // hkv
-    # (b, hkv, group * q, d): each KV head's query heads side by side, no K/V copy
-    logits = torch.matmul(query.reshape(b, hkv, group * q, d), key.transpose(-1, -2)) * scaling
-    logits = logits.view(b, h, q, n)
+    # (b * hkv, group * q, d): each KV head's query heads side by side, no K/V copy. `bmm` on the
+    # (batch * kv_heads) matrices gives matmul's bits on the 4-D tensors with less dispatch, and the scale
+    # is applied in place: this runs at every decode step of every layer (H2O, TOVA)
+    logits = torch.bmm(query.reshape(b * hkv, group * q, d), key.reshape(b * hkv, n, d).transpose(1, 2))
+    logits = logits.mul_(scaling).view(b, h, q, n)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     if attention_mask is not None:
@@ -79,7 +81,8 @@ def attend_with_probabilities(
         else:
             logits = logits + attention_mask
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs.view(b, hkv, group * q, n), value).view(b, h, q, value.shape[-1])
+    out = torch.bmm(probs.view(b * hkv, group * q, n), value.reshape(b * hkv, n, value.shape[-1]))
+    out = out.view(b, h, q, value.shape[-1])
     return out.transpose(1, 2).contiguous(), probs
 
 
