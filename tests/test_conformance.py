@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from test_padded import rows
 from transformers import DynamicCache
 
 import kvtrim
@@ -51,15 +52,6 @@ PROMPT, QUESTION, NEW = 150, 12, 6
 
 def spec_for(name: str):
     return parse_method_spec(name + SPEC_PARAMS.get(name, ""))
-
-
-def rows(layer) -> list:
-    """`[batch][kv_head]` lists of the stored positions of a layer, dense or ragged."""
-    if layer.is_ragged:
-        positions, lengths = layer.storage.positions, layer.lengths
-        return [[positions[b, h, : lengths[b, h]].tolist() for h in range(lengths.shape[1])]
-                for b in range(lengths.shape[0])]
-    return layer.kept_positions().tolist()  # sorted, whatever the storage order (in-place decoding)
 
 
 def ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
