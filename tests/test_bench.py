@@ -343,9 +343,10 @@ def test_flat_peak_target_is_checked_per_configuration_across_lengths():
 
 # ---- the physical limit: a full cache of the method's stored size, decoded in the same cell ----------------
 def test_same_size_decode_runs_a_full_cache_of_the_stored_size(monkeypatch):
-    """Each evicting cell decodes twice: the method, then a full cache holding per layer the entries the
-    method held after the prompt. A fake clock (one unit per model forward) shows which forwards each
-    timing covers; a pre-hook shows which cache each decode step ran on."""
+    """Each evicting cell decodes three times: a copy of the method's cache without the eviction timer (the
+    step compared with the physical limit), the method's cache with it (shares, memory), then a full cache
+    holding per layer the entries the method held after the prompt. A fake clock (one unit per model
+    forward) shows which forwards each timing covers; a pre-hook shows which cache each decode step ran on."""
     import kvtrim.bench.runner as runner
     from kvtrim.methods.full import FullCache
 
@@ -364,9 +365,12 @@ def test_same_size_decode_runs_a_full_cache_of_the_stored_size(monkeypatch):
     cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=5, collect_garbage=False)
     ids = torch.randint(0, 200, (1, 64))
     row, cache = measure_cell(model, parse_spec("streaming:budget=20"), ids, cfg, 64, return_cache=True)
-    assert row["decode_s"] == 5.0 and row["decode_same_size_full_s"] == 5.0  # 5 forwards each, nothing else
-    method_steps, full_steps = seen[:5], seen[5:]
-    assert all(kind is not FullCache for kind, _ in method_steps) and len(full_steps) == 5
+    row_with_copy = row
+    assert row["decode_untimed_s"] == 5.0 and row["decode_s"] == 5.0 and row["decode_same_size_full_s"] == 5.0
+    untimed_steps, method_steps, full_steps = seen[:5], seen[5:10], seen[10:]
+    assert all(kind is not FullCache for kind, _ in untimed_steps + method_steps) and len(full_steps) == 5
+    assert untimed_steps == method_steps  # the copy starts where the method's cache stood after the prompt
+    assert row["decode_evictions"] == 5 * 2  # one per step and layer, of the timed decode only
     assert all(kind is FullCache for kind, _ in full_steps)
     # the reference starts where the method stood after the prompt, and grows by one per step
     assert full_steps[0][1] == [20, 20] and full_steps[-1][1] == [24, 24]
@@ -375,9 +379,14 @@ def test_same_size_decode_runs_a_full_cache_of_the_stored_size(monkeypatch):
 
     seen.clear()
     row = measure_cell(model, parse_spec("full"), ids, cfg, 64)
-    assert row["decode_same_size_full_s"] is None and len(seen) == 5  # the full cache is its own reference
+    assert row["decode_same_size_full_s"] is None and row["decode_untimed_s"] is None  # its own reference
+    assert len(seen) == 5
     off = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=5, collect_garbage=False, same_size_decode=False)
-    assert measure_cell(model, parse_spec("streaming:budget=20"), ids, off, 64)["decode_same_size_full_s"] is None
+    plain = measure_cell(model, parse_spec("streaming:budget=20"), ids, off, 64)
+    assert plain["decode_same_size_full_s"] is None and plain["decode_untimed_s"] is None
+    # the untimed copy's evictions (it decodes while the timer is still in its prefill phase) are not counted
+    assert plain["prefill_evictions"] == row_with_copy["prefill_evictions"]
+    assert plain["prefill_evict_s"] == row_with_copy["prefill_evict_s"]
 
 
 def test_same_size_full_cache_copies_shapes_and_dtypes_per_layer():
@@ -418,6 +427,19 @@ def test_decode_ratio_to_the_same_size_full_cache_and_its_report():
     assert "| `h2o` | 0.50 % | 10.00 % |" in headline_table(result)
     assert "1.20 × the step of a full cache of the same size" in "\n".join(targets(result))
     assert any(t.startswith("- ❌ decode step of `h2o`") for t in targets(result))
+
+
+def test_the_ratio_to_the_same_size_full_cache_reads_the_untimed_decode_when_there_is_one():
+    from kvtrim.bench.summary import derive
+
+    row = _row("h2o", 0, 2.0, 1.2, 250, evict=0.01)
+    row.update(decode_same_size_full_s=1.0, decode_evict_s=0.1, decode_evictions=10)
+    assert derive(row)["decode_step_vs_same_size"] == pytest.approx(1.2)  # older results: the timed decode
+    row["decode_untimed_s"] = 1.1
+    out = derive(row)
+    assert out["decode_step_vs_same_size"] == pytest.approx(1.1)
+    assert out["decode_step_s"] == pytest.approx(1.2 / row["decode_tokens"])  # the rest stays on the timed run
+    assert out["evict_share_decode"] == pytest.approx(0.1 / 1.2)
 
 
 def test_results_written_before_the_same_size_decode_still_validate():
@@ -592,7 +614,7 @@ def test_batch_sizes_measure_one_cache_of_distinct_prompts(tmp_path, capsys):
     two = cells["streaming", 2]
     assert by["streaming", 2]["batch_decode_tps"] == pytest.approx(2 * two["decode_tokens"] / two["decode_s"])
     assert by["full", 2]["batch_decode_tps_vs_full"] == 1.0 and by["streaming", 1]["batch_decode_tps_vs_batch1"] == 1.0
-    assert by["streaming", 2]["decode_step_vs_same_size"] == pytest.approx(two["decode_s"] / two["decode_same_size_full_s"])
+    assert by["streaming", 2]["decode_step_vs_same_size"] == pytest.approx(two["decode_untimed_s"] / two["decode_same_size_full_s"])
     assert by["full", 2]["decode_step_vs_same_size"] is None  # the full cache is its own same-size cache
     for bad, message in (("0", "--batch-sizes must be integers >= 1"), ("1,1", "--batch-sizes has duplicates")):
         assert main(args + ["--batch-sizes", bad, "--out", str(tmp_path / "bad")]) == 2
