@@ -22,21 +22,27 @@ METHODS = {
 }
 
 
-def decode_run(model, method, ids, steps, in_place, each_step=None):
+def decode_run(model, method, ids, steps, in_place, each_step=None, shift=None):
     """Prompt `ids` in one forward (the prompt ends at the first decode step; TOVA with a ratio, which needs
-    the prompt's last query then, through `kvtrim.prefill`), then `steps` greedy steps.
+    the prompt's last query then, through `kvtrim.prefill`), then `steps` greedy steps. `shift`: pass
+    explicit position ids, each token's index plus `shift` (0: the default positions, given explicitly).
     Returns (tokens (batch, steps), per step the sorted kept positions of every layer, the cache)."""
     cache = kvtrim.TrimCache(method, config=model.config, in_place_decode=in_place)
     kept, tokens = [], []
+    n = ids.shape[-1]
+
+    def positions(start, count):
+        return {} if shift is None else {"position_ids": torch.arange(start, start + count)[None] + shift}
+
     with torch.no_grad():
         if isinstance(method, kvtrim.TOVA) and method.budget is None:
             logits = kvtrim.prefill(model, ids, cache)
         else:
-            logits = model(ids, cache=cache).logits[:, -1]
+            logits = model(ids, cache=cache, **positions(0, n)).logits[:, -1]
         for step in range(steps):
             token = logits.argmax(-1, keepdim=True)
             tokens.append(token)
-            logits = model(token, cache=cache).logits[:, -1]
+            logits = model(token, cache=cache, **positions(n + step, 1)).logits[:, -1]
             kept.append([layer.kept_positions().tolist() for layer in cache.layers])
             if each_step is not None:
                 each_step(step, cache)
@@ -126,16 +132,8 @@ def test_h2o_reads_its_recent_window_off_counted_positions_and_falls_back_to_ran
     for shift in (0, 1000):
         runs = []
         for in_place in (False, True):
-            cache = kvtrim.TrimCache(kvtrim.H2O(heavy_budget=5, recent_budget=9), config=model.config,
-                                     in_place_decode=in_place)
-            kept = []
-            with torch.no_grad():
-                pos = torch.arange(30)[None] + shift
-                logits = model(ids, cache=cache, position_ids=pos).logits[:, -1]
-                for step in range(40):
-                    pos = torch.tensor([[30 + step + shift]])
-                    logits = model(logits.argmax(-1, keepdim=True), cache=cache, position_ids=pos).logits[:, -1]
-                    kept.append([layer.kept_positions().tolist() for layer in cache.layers])
+            method = kvtrim.H2O(heavy_budget=5, recent_budget=9)
+            _, kept, cache = decode_run(model, method, ids, 40, in_place=in_place, shift=shift)
             runs.append(kept)
             assert all(layer.counted_positions == (shift == 0) for layer in cache.layers)
         assert runs[0] == runs[1], shift
