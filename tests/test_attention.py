@@ -55,6 +55,41 @@ def test_attend_with_probabilities_matches_loop_reference(hq, hkv, mask_kind):
                 assert torch.allclose(out[b, i, h], want @ v[b, h // g], atol=1e-5)
 
 
+def _matmul_4d(query, key, value, mask, scaling, softcap=None):
+    """The probability path as first written (`matmul` on 4-D tensors, then the scale): the bits that
+    `attend_with_probabilities` must keep (its `bmm` form only dispatches less)."""
+    b, h, q, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    logits = (torch.matmul(query.reshape(b, hkv, h // hkv * q, d), key.transpose(-1, -2)) * scaling).view(b, h, q, n)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min) if mask.dtype == torch.bool else logits + mask
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs.view(b, hkv, h // hkv * q, n), value).view(b, h, q, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,q,n", [(9, 3, 1, 509), (2, 2, 1, 7), (4, 1, 5, 130), (14, 2, 1, 1100)])
+@pytest.mark.parametrize("mask_kind,softcap,scaling", [(None, None, 0.125), ("bool", None, 0.11),
+                                                       ("float", 30.0, 0.0883883)])
+def test_attend_with_probabilities_keeps_the_bits_of_the_4d_matmul_form(dtype, hq, hkv, q, n, mask_kind, softcap,
+                                                                       scaling):
+    gen = torch.Generator().manual_seed(n + q)
+    query = torch.randn(2, hq, q, 64, generator=gen).to(dtype)
+    buf = torch.randn(2, hkv, n + 40, 64, generator=gen).to(dtype)
+    key, value = buf[:, :, :n], buf[:, :, 40:]  # slices of a longer buffer, as a cache layer may hand over
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, q, n, generator=gen) > 0.2
+    elif mask_kind == "float":
+        mask = torch.randn(2, 1, q, n, generator=gen).to(dtype)
+    out, probs = attend_with_probabilities(query, key, value, mask, scaling, softcap)
+    want_out, want_probs = _matmul_4d(query, key, value, mask, scaling, softcap)
+    assert torch.equal(probs, want_probs) and torch.equal(out, want_out)
+
+
 def test_softcap_is_applied_before_the_softmax():
     q, k, v = rand_qkv(1, 2, 1, 5, seed=1)
     q = q[:, :, -1:] * 10
