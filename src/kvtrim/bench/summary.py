@@ -81,7 +81,8 @@ def derive(row: dict) -> dict:
     out["compress_s"], out["compress_vs_prefill"] = compression_cost(row["prefill_s"], row["prefill_evict_s"],
                                                                      out["scoring_s"])
     same = row.get("decode_same_size_full_s")
-    method_s = row.get("decode_untimed_s") or row["decode_s"]
+    untimed = row.get("decode_untimed_s")
+    method_s = row["decode_s"] if untimed is None else untimed
     out["decode_step_vs_same_size"] = method_s / same if same else None
     return out
 
