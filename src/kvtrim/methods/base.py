@@ -501,7 +501,8 @@ def lowest_slot(scores: torch.Tensor, positions: torch.Tensor, first: int = 0, l
         last_from: when the caller knows that the last `last` by position are exactly those at positions
             `>= last_from` in every row (H2O: its recent window always holds the last tokens appended, at
             counted positions), one comparison replaces the `kthvalue` that finds them (the costliest
-            operation here: ~26 us of ~60 per layer and decode step, measured on SmolLM2 at 509 entries).
+            operation here: 28 of 70 us per layer and decode step on SmolLM2 at 509 entries, measured by
+            `benchmarks/costfloor/h2o_ops.py`).
     Returns:
         `(...)` int64 index of the lowest score among the unprotected entries, ties -> the latest position
         (top-k's ties go to the earlier entry); all protected: the latest of them.
