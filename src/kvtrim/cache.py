@@ -56,7 +56,8 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvtrim.methods.base import EvictionMethod, EvictOne, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.padded_batch import PaddedBatch, PerSequence
-from kvtrim.storage import LayerStorage, PaddedView, RaggedKV, as_keep, flat_rows, select_rows, switch
+from kvtrim.storage import as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
+from kvtrim.stored_layer import StoredLayer
 
 __all__ = ["CacheStats", "TrimCache", "TrimLayer", "flat_rows", "record_padding_mask", "select_rows",
            "take_pending_layer"]
@@ -110,20 +111,6 @@ def take_pending_layer(layer_idx: int) -> TrimLayer | None:
     return layer
 
 
-def _map_tensors(obj: Any, fn) -> Any:
-    """Apply `fn` to every tensor held directly by `obj` (a tensor, dict, list or dataclass)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    if is_dataclass(obj) and not isinstance(obj, type):
-        for name, value in vars(obj).items():
-            setattr(obj, name, _map_tensors(value, fn))
-    return obj
-
-
 def _tensors(obj: Any):
     """Yield every tensor held directly by `obj` (a tensor, dict, list or dataclass)."""
     if isinstance(obj, torch.Tensor):
@@ -139,21 +126,13 @@ def _tensors(obj: Any):
             yield from _tensors(v)
 
 
-class TrimLayer(DynamicLayer):
-    """A full-attention cache layer that stores keys, values and original positions, and evicts.
+class TrimLayer(StoredLayer):
+    """A full-attention cache layer that evicts: the phase machine and the method calls.
 
-    The phase machine and the method calls; the entries live in `kv`, a `kvtrim.storage.LayerStorage`
-    (dense, slots or ragged: `kvtrim.storage.switch` is where the layout changes), and a padded batch's
-    per-sequence bookkeeping in `seq` (`kvtrim.padded_batch.PaddedBatch`).
-
-    Attributes:
-        keys, values: `(batch, kv_heads, n_stored, head_dim)` (None once the layer is ragged).
-        positions: `(batch, kv_heads, n_stored)` LongTensor, original position of each entry (None once
-            ragged: `storage.positions`, -1 past a row's length).
-        storage: the `RaggedKV` of a ragged layer, else None. lengths: `(batch, kv_heads)` stored per row.
-        seen: tokens seen by this layer. `peak`: largest number of entries ever held (transients included).
-        prompt_tokens: the prompt's length once it ended (None while the prompt is open).
-        state: the method's per-layer state.
+    What the layer holds is read through its storage (`StoredLayer`: `keys`, `values`, `positions`,
+    `storage`, `lengths`, `kept_positions()`; the layouts: `kvtrim.storage`); a padded batch's per-sequence
+    bookkeeping is `seq` (`kvtrim.padded_batch`). `peak`: the most entries ever held (transients
+    included); `prompt_tokens`: the prompt's length once it ended; `state`: the method's per-layer state.
 
     Phases (see `kvtrim.methods.base`): a forward's phase is the one its cache declared
     (`TrimCache.phase(...)`, used by `kvtrim.prefill` / `kvtrim.compress`), else inferred: while the
@@ -162,38 +141,23 @@ class TrimLayer(DynamicLayer):
     multi-token forwards are appends and single tokens decode steps.
     """
 
-    is_croppable = False
-
     def __init__(self, method: EvictionMethod, layer_idx: int, owner: TrimCache | None = None,
                  in_place_decode: bool = True):
-        self.kv: LayerStorage | None = None  #: this layer's entries (None before the first update)
-        super().__init__()
+        super().__init__(owner)
         self.method, self.layer_idx = method, layer_idx
         #: decode steps of methods with `in_place_decode` reuse the slot they freed (module docstring)
         self.in_place_decode = in_place_decode
         self._step_in_place = False  # this forward runs in place (the method's views say so)
-        self._owner = None if owner is None else weakref.ref(owner)
         #: every position this layer stored is its token's index (0, 1, 2, ... as fed: no custom position
         #: ids), so the last `m` tokens appended sit at positions `seen - m` .. `seen - 1`
         self.counted_positions = True
-        self.seen = self.peak = self.evictions = 0
+        self.peak = self.evictions = 0
         self.prompt_tokens: int | None = None
         self.state = method.new_state(layer_idx)
         self.attn_scaling: float | None = None  # the softmax scale handed over by kvtrim's attention
-        self._awaiting_attention = False
         # (phase, ends the prompt, entries appended, pass info) of this forward
         self._forward: tuple[Phase, bool, int, Any] = (Phase.PREFILL, False, 0, None)
-        self._prompt_queries = None  # kept for a deferred prompt end (a padded batch: one per sequence)
         self._scoring: tuple[torch.Tensor, ...] | None = None  # a scoring pass's transient (keys, values, positions)
-        # a ragged layer's step, for kvtrim's attention: [padded view or None, query positions (b, q),
-        # whether the storage still ends with this step's entries (nothing evicted since the append), valid]
-        self._ragged_step: list | None = None
-        #: a padded batch's per-sequence bookkeeping (None: the batch's rows are processed together)
-        self.seq: PaddedBatch | None = None
-
-    @property
-    def owner(self) -> TrimCache | None:
-        return None if self._owner is None else self._owner()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, padded: bool = False) -> None:
         """The first forward: dense storage, or (a padded batch, `padded`) ragged storage from the start
@@ -267,13 +231,9 @@ class TrimLayer(DynamicLayer):
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None, counted: bool = False,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `(batch, kv_heads, q, head_dim)` states; return the full states, keep the method's subset.
-
-        `positions`: `(batch, q)` original positions of the new tokens (default: `seen + arange(q)`);
-        `counted`: the given `positions` are that default (see `counted_positions`).
-        `valid`: `(batch, q)` bool, False for the pads of a padded batch (default: all real). A layer whose
-        first forward has pads is a padded batch's layer for good: ragged storage that never stores a pad,
-        the method run per sequence (`kvtrim.padded_batch`).
-        """
+        `positions`: `(batch, q)` of the new tokens (default `seen + arange(q)`; `counted`: they are that).
+        `valid`: `(batch, q)` bool, False for pads: a layer whose first forward has pads is a padded batch's
+        for good (ragged, never stores a pad, the method run per sequence: `kvtrim.padded_batch`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states, padded=valid is not None)
         elif valid is not None and self.seq is None:
@@ -360,19 +320,6 @@ class TrimLayer(DynamicLayer):
             self.kv, order = settled
             self.state = self.method.gather_state(self.state, order)
 
-    def take_ragged_step(
-        self,
-    ) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor, torch.Tensor | None] | None:
-        """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q), real
-        queries (b, q) bool or None)` of this ragged step (the storage when it still ends with the step's
-        entries: a varlen kernel may read it), or None for a dense layer. The step is cleared by
-        `after_attention` (the method's view reuses it). Pad queries (False) see nothing."""
-        step = self._ragged_step
-        if step is None:
-            return None
-        view, query_positions, intact, query_valid = step
-        return view, (self.storage if intact else None), query_positions, query_valid
-
     @property
     def awaiting_attention(self) -> bool:
         """True between `update` and `after_attention` for methods that need queries or probabilities."""
@@ -422,12 +369,10 @@ class TrimLayer(DynamicLayer):
 
     def evict(self, keep) -> None:
         """Reduce the layer to the kept entries (None: keep all), then the method's state. `keep`: indices
-        `(batch, kv_heads, n_keep)` sorted ascending (every row keeps `n_keep`: one `index_select` of keys,
-        values and positions into new, smaller tensors), or per-row counts: a bool mask `(batch, kv_heads,
-        n)` or indices padded with -1 (converted once: `kvtrim.storage.as_keep`). Unequal counts switch the
-        layer to ragged storage (exactly the kept entries are copied into it); a ragged layer frees the
-        evicted slots (`RaggedKV.evict`). `EvictOne` (in-place steps): the slot stays, free for the next
-        step's entry. A padded batch's per-sequence decisions (`PerSequence`) become one keep mask."""
+        `(batch, kv_heads, n_keep)` sorted ascending, a bool mask `(batch, kv_heads, n)` or indices padded
+        with -1 (converted once, `kvtrim.storage.as_keep`; unequal counts make the layer ragged:
+        `storage.switch`); `EvictOne` (in-place steps: the slot stays, free for the next step's entry); a
+        padded batch's per-sequence decisions (`PerSequence`, one keep mask)."""
         if keep is None:
             return
         self.evictions += 1
@@ -451,152 +396,10 @@ class TrimLayer(DynamicLayer):
               "kvtrim's attention function: call kvtrim.enable(model) or load the model with "
               "kvtrim.load_model() (no kvtrim attention has run on this cache yet)")
 
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.stored + query_length, self.seen - self.stored
-
     # ---- operations that do not survive eviction ---------------------------------------------
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise KvtrimError("a TrimCache cannot be cropped (evicted entries cannot be restored)")
-
     def reset(self) -> None:
         self.cancel_attention()
         self.__init__(self.method, self.layer_idx, self.owner, self.in_place_decode)
-
-    def _select_batch(self, rows) -> None:
-        """Row `i` becomes old sequence `rows(batch)[i]` (`rows`: a function of the batch size giving the
-        1-D indices): the storage, the method's state (per sequence in a padded batch), deferred queries."""
-        if not self.is_initialized:
-            return
-        rows = rows(self.kv.batch).to(self.device)
-        self.kv.select_batch(rows)
-        if self.seq is not None:  # a padded batch: per-sequence state follows its sequence
-            picked = rows.tolist()
-            self.seq = self.seq.select(picked)
-            if self._prompt_queries is not None:
-                self._prompt_queries = [self._prompt_queries[i] for i in picked]
-            return
-        self.state = _map_tensors(self.state, lambda t: t.index_select(0, rows.to(t.device)))
-        if self._prompt_queries is not None:
-            self._prompt_queries = self._prompt_queries.index_select(0, rows.to(self._prompt_queries.device))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_batch(lambda b: beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_batch(lambda b: torch.arange(b).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_batch(lambda b: torch.arange(b, device=indices.device)[indices])
-
-    def copy(self, owner: TrimCache | None = None) -> TrimLayer:
-        """An independent copy (tensors cloned, state deep-copied) belonging to `owner`."""
-        check(not self._awaiting_attention, "cannot copy a cache layer in the middle of a forward")
-        new = copy.copy(self)
-        new._owner = None if owner is None else weakref.ref(owner)
-        new.kv = None if self.kv is None else self.kv.clone()
-        queries = self._prompt_queries
-        new._prompt_queries = None if queries is None else list(queries) if isinstance(queries, list) else queries.clone()
-        new._ragged_step = None
-        new.state = copy.deepcopy(self.state)
-        new.seq = copy.deepcopy(self.seq)
-        return new
-
-    # ---- what the layer holds (read through the storage) -----------------------------------------
-    def _rect_part(self, i: int) -> torch.Tensor | None:
-        rect = None if self.kv is None else self.kv.rect()
-        return None if rect is None else rect[i]
-
-    def _set_rect_part(self, name: str, value: torch.Tensor | None) -> None:
-        """`layer.keys = ...` (transformers' offloading, `reset`): writes a dense layout's tensor."""
-        if self.kv is None or self.kv.rect() is None:
-            check(value is None, f"{name} of a ragged or empty layer cannot be set")
-            return
-        setattr(self.kv, name, value)
-
-    keys = property(lambda self: self._rect_part(0), lambda self, v: self._set_rect_part("keys", v))
-    values = property(lambda self: self._rect_part(1), lambda self, v: self._set_rect_part("values", v))
-    positions = property(lambda self: self._rect_part(2), lambda self, v: self._set_rect_part("positions", v))
-
-    @property
-    def storage(self) -> RaggedKV | None:
-        """The `RaggedKV` of a ragged layer, else None."""
-        return self.kv if self.kv is not None and self.kv.ragged else None
-
-    @storage.setter
-    def storage(self, value: RaggedKV | None) -> None:
-        if value is not None:
-            self.kv = value
-
-    @property
-    def is_ragged(self) -> bool:
-        """True once rows hold different numbers of entries (stored in `storage`, see the module docstring)."""
-        return self.kv is not None and self.kv.ragged
-
-    @property
-    def per_sequence(self) -> bool:
-        """True for the layers of a padded batch: the method decides once per sequence (`kvtrim.padded_batch`)."""
-        return self.seq is not None
-
-    @property
-    def free_slots(self) -> torch.Tensor | None:
-        """`(batch, kv_heads)` the free slot of each row after an in-place eviction (None: no free slot)."""
-        return getattr(self.kv, "free_slots", None)
-
-    def padded_view(self) -> PaddedView:
-        """A ragged layer's padded view `(batch, kv_heads, width, ...)`; built once per step (transient)."""
-        check(self.is_ragged, "padded_view is for ragged layers")
-        step = self._ragged_step
-        if step is not None and step[0] is not None:
-            return step[0]
-        view = self.kv.padded()
-        if step is not None:
-            step[0] = view
-        return view
-
-    def sequence_view(self, b: int, padded: PaddedView | None = None, queries=None,
-                      attention: torch.Tensor | None = None) -> LayerView:
-        """What sequence `b` of a padded batch would show the method alone (`PaddedBatch.view`)."""
-        check(self.seq is not None, "sequence_view is for the layers of a padded batch")
-        padded = padded if padded is not None else self.padded_view()
-        return self.seq.view(b, padded, self._forward, self.layer_idx, self.attn_scaling, queries, attention)
-
-    def kept_positions(self) -> torch.Tensor | None:
-        """`(batch, kv_heads, n)`: the positions of the stored entries, ascending per row whatever the storage
-        order (in-place decoding keeps them in slot order; free slots left out). A ragged layer: its
-        storage's positions (-1 past each row's length). None before the first update."""
-        return None if self.kv is None else self.kv.kept_positions()
-
-    @property
-    def stored(self) -> int:
-        """Entries per row of a dense layer; the longest row of a ragged one (the padded view's width)."""
-        return 0 if self.kv is None else self.kv.width
-
-    @property
-    def lengths(self) -> torch.Tensor | None:
-        """`(batch, kv_heads)` int64: entries stored per (sequence, kv_head) row (None before the first update)."""
-        return None if self.kv is None else self.kv.lengths.clone()
-
-    def kv_tensors(self) -> list[torch.Tensor]:
-        """The tensors holding this layer's keys and values (the pools of a ragged layer)."""
-        return [] if self.kv is None else self.kv.kv_tensors()
-
-    def entry_bytes(self) -> int:
-        """Bytes of one token of every (sequence, kv_head) row: its key and value (0 before the first update)."""
-        return 0 if self.kv is None else self.kv.entry_bytes()
-
-    def dense_shape(self) -> tuple[int, int, int, int] | None:
-        """`(batch, kv_heads, n, head_dim)` of a dense layer holding as many entries (a ragged layer: its
-        mean row length, rounded up); None before the first update."""
-        return None if self.kv is None else self.kv.dense_shape()
-
-    def ideal_bytes(self) -> int:
-        """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
-        return 0 if self.kv is None else self.kv.ideal_bytes()
-
 
 @dataclass
 class CacheStats:
