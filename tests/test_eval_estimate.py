@@ -54,6 +54,13 @@ def test_estimate_counts_what_the_runner_runs():
     one = estimate(jobs, {"s0": (1000, 20), "s1": (1000, 30)}, lambda job, n: job.spec.build(n, job.compression_ratio),
                    lambda m: not m.scoring_passes, lambda ms: True, lambda s: 2, lambda s: 10, params=100, rates=rates)
     assert one.prefill_tokens == 1000 + 2 * 1000 and one.decode_max == 140
+    # KVzip's scores shared across its two ratios: scored once per context
+    from kvtrim.eval.kvzip_reuse import scoring_key
+
+    est2 = estimate(jobs, {"s0": (1000, 20), "s1": (1000, 30)}, lambda job, n: job.spec.build(n, job.compression_ratio),
+                    lambda m: not m.scoring_passes, lambda ms: True, lambda s: 2, lambda s: 10, params=100,
+                    rates=rates, scoring_key=scoring_key)
+    assert est2.prefill_tokens == 1000 + 1000
     assert one.seconds_max == pytest.approx((1000 + 7 * 20 + 7 * 30) * 0.001 + 2000 * 0.01 + 140 * 0.1)
 
 

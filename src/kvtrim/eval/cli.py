@@ -297,10 +297,14 @@ def _estimate(jobs, out: str, settings, tok, config) -> str:
     def answer_tokens(sample) -> int:
         return max(len(tok(a, add_special_tokens=False).input_ids) for a in sample.answers)
 
+    from kvtrim.eval.kvzip_reuse import scoring_key
+
+    shares_scores = settings.reuse_prefill and settings.prefill_chunk_size is None  # as Runner._kvzip_contexts
     if not pending:
         return f"all {len(jobs)} runs are already in {out}/results.jsonl"
     found = estimate(pending, encoded, build, reusable, shares, answer_tokens,
-                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config))
+                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config),
+                     scoring_key=scoring_key if shares_scores else (lambda method: None))
     return found.line()
 
 

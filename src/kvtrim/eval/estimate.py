@@ -64,13 +64,14 @@ def approx_params(config) -> int:
 
 
 def estimate(jobs, encoded: dict[str, tuple[int, int]], build, reusable, shares, answer_tokens, budget,
-             params: int, rates: dict = REFERENCE) -> Estimate:
+             params: int, rates: dict = REFERENCE, scoring_key=lambda method: None) -> Estimate:
     """The estimate for `jobs` (pending `Job`s).
 
     encoded: sample id -> (compressed tokens n, tokens fed after m). build(job, n) -> method, or None when
     it cannot be configured (the run is skipped: free). reusable(method) -> replays a shared prefill.
     shares(methods) -> whether a sample's methods get a shared prefill. answer_tokens(sample) -> tokens of
-    its longest reference; budget(sample) -> its token cap."""
+    its longest reference; budget(sample) -> its token cap. scoring_key(method) -> what KVzip's scores depend on
+    (`kvtrim.eval.kvzip_reuse.scoring_key`; None: every run scores on its own)."""
     scale = params / rates["params"]
     by_context: dict[str, list] = {}  # samples sharing a context are compressed once per cell
     for job in jobs:
@@ -85,9 +86,14 @@ def estimate(jobs, encoded: dict[str, tuple[int, int]], build, reusable, shares,
         methods = [(cell, method) for cell, method in methods if method is not None]
         shared = shares([method for _, method in methods])
         prefill += n if shared else 0
-        for cell, method in methods:
+        # KVzip: one scoring per context and scoring configuration shared by two or more settings
+        keys = [scoring_key(method) for _, method in methods]
+        shared_keys = {k for k in keys if k is not None and keys.count(k) >= 2}
+        kvzip += n * len(shared_keys)
+        for (cell, method), key in zip(methods, keys):
             if getattr(method, "scoring_passes", False):
-                kvzip += n
+                if key not in shared_keys:
+                    kvzip += n
             elif not (shared and reusable(method)):
                 prefill += n
             for job in cell:

@@ -430,6 +430,7 @@ class Runner:
         want, queries = self._wants_shared(representatives, n)
         self._shared_queries = queries
         shared = compress(self.model, first, FullCache(), None, queries) if want else None
+        prepared = self._kvzip_contexts(representatives, first, shared)
         for jobs in cells.values():
             rows = [self._row(job, n, encoded[job.sample.id][1].shape[-1]) for job in jobs]
             try:
@@ -441,25 +442,73 @@ class Runner:
                 continue
             self._show(jobs[0], len(jobs))
             start = time.perf_counter()
-            ctx, reused = self._compress(method, first, shared)
+            if jobs[0].key in prepared:  # KVzip, its scores shared with its other settings
+                ctx, seconds, sharing = prepared.pop(jobs[0].key)
+                reused, start = True, start - seconds
+            else:
+                (ctx, reused), sharing = self._compress(method, first, shared), None
             shared_seconds = (time.perf_counter() - start) / len(jobs)  # each row's share of the compression
             for job, row in zip(jobs, rows):
-                row["method_config"] = method.describe()
+                row["method_config"] = ctx.method.describe()
                 row["context_group"] = len(jobs)
+                if sharing:
+                    row["kvzip_scores_shared"] = sharing
                 cache = ctx.new_cache()
                 yield self._answer(row, job.sample, cache, ctx.logits, encoded[job.sample.id][1], reused,
                                    time.perf_counter() - shared_seconds)
         del shared
 
     def _run_sample(self, jobs: list[Job], compressed: torch.Tensor, after: torch.Tensor) -> Iterator[dict]:
-        """One sample's jobs, one at a time, replaying its shared prefill where two or more can."""
+        """One sample's jobs, one at a time, replaying its shared prefill where two or more can (and
+        KVzip's scores, where it runs at two or more settings: `_kvzip_contexts`)."""
         want, queries = self._wants_shared(jobs, compressed.shape[-1])
         self._shared_queries = queries
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
+        prepared = self._kvzip_contexts(jobs, compressed, shared)
         for job in jobs:
             self._show(job)
-            yield self.run_job(job, compressed, after, shared)
+            if job.key in prepared:
+                yield self._run_prepared(job, compressed, after, *prepared.pop(job.key))
+            else:
+                yield self.run_job(job, compressed, after, shared)
         del shared
+
+    def _kvzip_contexts(self, jobs: list[Job], compressed: torch.Tensor,
+                        shared: CompressedContext | None) -> dict[str, tuple[CompressedContext, float, int]]:
+        """KVzip's compressed contexts for `jobs` (one per cell) that score alike, two or more of them,
+        with its scoring passes run once (`kvtrim.eval.kvzip_reuse`): job key -> (context, this row's share
+        of the shared seconds, how many rows share the scores). Empty without prefill reuse."""
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None:
+            return {}
+        from kvtrim.eval.kvzip_reuse import score_once, scoring_key
+
+        groups: dict[tuple, list[tuple[Job, EvictionMethod]]] = {}
+        n = compressed.shape[-1]
+        for job in jobs:
+            try:
+                method = self.build(job, n)
+            except KvtrimError:
+                continue
+            key = scoring_key(method)
+            if key is not None:
+                groups.setdefault(key, []).append((job, method))
+        out = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            contexts, seconds = score_once(self.model, self.tokenizer, compressed, [m for _, m in group],
+                                           shared if shared is not None and shared.one_shot_full else None)
+            for (job, _), ctx in zip(group, contexts):
+                out[job.key] = (ctx, seconds / len(group), len(group))
+        return out
+
+    def _run_prepared(self, job: Job, compressed: torch.Tensor, after: torch.Tensor, ctx: CompressedContext,
+                      shared_seconds: float, sharing: int) -> dict:
+        """`run_job` for a context already compressed (KVzip from shared scores)."""
+        row = self._row(job, compressed.shape[-1], after.shape[-1])
+        row["method_config"] = ctx.method.describe()
+        row["kvzip_scores_shared"] = sharing
+        return self._answer(row, job.sample, ctx.cache, ctx.logits, after, True, time.perf_counter() - shared_seconds)
 
     def _show(self, job: Job, size: int = 1) -> None:
         if self._bar is not None:
