@@ -1,10 +1,11 @@
 """Before/after comparison of two `kvtrim bench` results (the storage refactor, issue 26).
 
-    python benchmarks/storage_refactor/compare.py before.json after.json > comparison.md
+    python benchmarks/storage_refactor/compare.py before*.json -- after*.json > comparison.md
 
-Per (method, length) cell and metric: the median over repeats before and after, their ratio, and the run's
-noise for that cell: the larger of the two runs' relative spread between repeats ((max - min) / median).
-A cell counts as slower only when after / before - 1 exceeds that noise.
+Each side is one or more `kvtrim bench` results (their repeats are pooled). Per (method, length) cell and
+metric: the median over repeats before and after, their ratio, and the noise for that cell: the larger of
+the two sides' relative spread between repeats ((max - min) / median). A cell counts as slower only when
+after / before - 1 exceeds that noise.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ METRICS = {
 }
 
 
-def cells(path: str) -> dict:
-    raw = json.load(open(path))["raw"]
+def cells(paths: list[str]) -> dict:
+    raw = [r for path in paths for r in json.load(open(path))["raw"]]
     out: dict = {}
     for r in raw:
         if r.get("status") != "ok":
@@ -40,13 +41,15 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else float("nan")
 
 
-def main(before_path: str, after_path: str) -> int:
-    before, after = cells(before_path), cells(after_path)
-    print(f"before: `{before_path}`, after: `{after_path}` (medians over repeats; noise = the larger relative "
-          "spread between repeats of the two runs)\n")
-    print("| method | length | metric | before | after | after/before | noise | verdict |")
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    before_paths, after_paths = argv[:split], argv[split + 1 :]
+    before, after = cells(before_paths), cells(after_paths)
+    print(f"before: {', '.join(before_paths)}; after: {', '.join(after_paths)} (medians over the pooled "
+          "repeats; noise = the larger relative spread between repeats of the two sides)\n")
+    print("| method | length | metric | before (repeats) | after (repeats) | after/before | noise | verdict |")
     print("|---|---|---|---|---|---|---|---|")
-    slower = 0
+    slower, ratios = 0, {}
     for key in before:
         if key not in after:
             continue
@@ -59,10 +62,14 @@ def main(before_path: str, after_path: str) -> int:
             ratio = ma / mb
             verdict = "within noise" if abs(ratio - 1) <= noise else "slower" if ratio > 1 else "faster"
             slower += verdict == "slower"
-            print(f"| {key[0]} | {key[1]} | {name} | {mb:.4g} | {ma:.4g} | {ratio:.3f} | {noise:.3f} | {verdict} |")
+            ratios.setdefault(name, []).append(ratio)
+            print(f"| {key[0]} | {key[1]} | {name} | {mb:.4g} ({len(b)}) | {ma:.4g} ({len(a)}) | {ratio:.3f} | {noise:.3f} | {verdict} |")
     print(f"\ncells slower beyond the noise: {slower}")
+    for name, rs in ratios.items():
+        print(f"- {name}: geometric mean of after/before over {len(rs)} cells {statistics.geometric_mean(rs):.3f}"
+              f" (range {min(rs):.3f}-{max(rs):.3f})")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(*sys.argv[1:3]))
+    raise SystemExit(main(sys.argv[1:]))

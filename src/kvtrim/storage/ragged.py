@@ -30,10 +30,10 @@ move every later row to append one entry to a row; the slot pool appends in O(ne
 slots is bookkeeping: 4 bytes of slot id + 8 bytes of position per entry (vs 256 bytes of K+V per entry for
 head_dim 64 in bf16), reported by `bookkeeping_bytes()` and not counted in the KV bound.
 
-Integration with `TrimLayer` / `TrimCache`. Done (`kvtrim.cache`): two representations per layer;
-`TrimLayer` keeps today's dense tensors while every row holds the same number of entries, and switches
-that layer alone to `RaggedKV.from_dense(keys, values, positions, valid=kept)` when a method keeps
-unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
+Integration with `TrimLayer` / `TrimCache`. Done: one of the layouts behind `kvtrim.storage.LayerStorage`;
+a layer stays dense (`kvtrim.storage.dense`) while every row holds the same number of entries, and
+`kvtrim.storage.switch.evict` moves that layer alone to `RaggedKV.from_dense(keys, values, positions,
+valid=kept)` when a method keeps unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
 formula with its longest row, dense layers refit the shared mask (`kvtrim.attention.fit_mask`) and
 ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step's padded view). A layer
 only turns ragged on a cache kvtrim's attention has run on. Attend, then evict: the step's padded view is
@@ -41,7 +41,7 @@ taken before any eviction decided in `update`, and the flash path reads the stor
 ends with the step's entries. Methods see the padded view (`LayerView.valid`). AdaKV (`kvtrim.methods.adakv`)
 decides once, on a dense layer, with a keep mask.
 
-Padded batches (done, `kvtrim.cache`): kvtrim's mask builders (registered through `AttentionMaskInterface`:
+Padded batches (done, `kvtrim.cache` and `kvtrim.padded_batch`): kvtrim's mask builders (registered through `AttentionMaskInterface`:
 the stock builders after a record of the forward's 2D padding mask) tell `TrimCache.update`, which runs
 after the mask is built and before attention, which of the step's tokens are pads (the mask's last q
 columns); a layer whose first forward has pads is ragged from the start and stores only real tokens
@@ -50,7 +50,7 @@ from the mask); `seen` stays the global column count (what `get_seq_length` and 
 the layer counts each sequence's real tokens for budgets. Ragged layers ignore the model's mask (kvtrim's
 attention masks by positions; pad queries see nothing), so `get_mask_sizes` keeps the dense formula.
 Scoring: the reference path, not the vectorised one the plan sketched. The method runs once per sequence
-on a batch-1 view of that sequence's entries (`TrimLayer.sequence_view`, dense when its heads hold equal
+on a batch-1 view of that sequence's entries (`PaddedBatch.view`, dense when its heads hold equal
 counts), with its own state, token counts and queries of its real tokens; each keep is mapped into one
 keep mask over the padded view. Every method gets it through the contract, with no code of its own.
 Still a plan:
