@@ -24,6 +24,7 @@ import kvtrim
 from kvtrim.methods import METHODS
 from kvtrim.methods.base import Phase, kept_count, param_type
 from kvtrim.specs import parse_method_spec
+from kvtrim.storage import DenseKV, RaggedKV, SlotKV
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -261,6 +262,54 @@ def test_one_shot_and_block_wise_prefill(model, tok, name):
     new, cache = kvtrim.generate(model, context, method, max_new_tokens=3, prefill_chunk_size=chunk, tokenizer=tok)
     ended = PROMPT - 1 if method.scoring_passes else PROMPT  # scoring methods: compress, then the last token
     assert all(layer.prompt_tokens == ended for layer in trim_layers(cache))
+
+
+# ---- 6b. every layout the method supports: same tokens, same kept sets ---------------------------------
+LAYOUTS = {"dense": DenseKV, "slots": SlotKV, "ragged": RaggedKV}
+
+
+def layout_run(model, tok, method, prompt, layout: str):
+    """Greedy decoding with every layer on `layout` (see kvtrim/storage/): dense (the copying path),
+    slots (in-place decoding: the default for methods with `in_place_decode`) or ragged from the first
+    forward (`padded=True`). Methods with scoring passes: compressed by `kvtrim.compress` (dense), then a
+    question. Returns `(tokens, kept rows per layer, storage classes of the layers, the layers)`."""
+    if method.scoring_passes:
+        ctx = kvtrim.compress(model, prompt, method, tokenizer=tok)
+        tokens, layers = ctx.generate(ids(QUESTION, seed=31), max_new_tokens=3 * NEW), trim_layers(ctx.cache)
+        return tokens, [rows(layer) for layer in layers], [type(layer.kv) for layer in layers], layers
+    cache = kvtrim.TrimCache(method, config=model.config, in_place_decode=layout == "slots",
+                             padded=layout == "ragged")
+    tokens, _ = greedy(model, cache, prompt, new=3 * NEW)
+    layers = trim_layers(cache)
+    return tokens, [rows(layer) for layer in layers], [type(layer.kv) for layer in layers], layers
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_every_layout_keeps_what_the_dense_layout_keeps(model, eager_model, tok, name, layout):
+    """Each method on each storage layout it supports (`docs/storage.md`): the layers really are in that
+    layout at the end, and tokens and kept positions equal the dense (copying) run. Unsupported pairs are
+    skipped with the reason: slots need `in_place_decode`, ragged-from-the-start is a padded batch (no
+    scoring passes, no cross-layer decisions)."""
+    method = spec_for(name).build(PROMPT, 0.5)
+    if layout == "slots" and not method.in_place_decode:
+        pytest.skip(f"{name} does not decode in place")
+    if layout == "ragged" and (method.scoring_passes or method.cross_layer):
+        pytest.skip(f"{name} cannot run on a padded batch (scoring passes / cross-layer decisions)")
+    if method.needs_attention:
+        model = eager_model
+    prompt = ids(PROMPT, seed=30)
+    want_tokens, want_rows, want_kinds, _ = layout_run(model, tok, method, prompt, "dense")
+    assert SlotKV not in want_kinds  # the copying path never leaves position order
+    tokens, got_rows, kinds, layers = layout_run(model, tok, method, prompt, layout)
+    assert torch.equal(tokens, want_tokens), (method.describe(), layout)
+    assert got_rows == want_rows, (method.describe(), layout)
+    if layout == "dense":  # dense unless the method keeps unequal counts per row (then ragged, for good)
+        for kind, layer in zip(kinds, layers):
+            assert kind is DenseKV or (kind is RaggedKV and bool((layer.lengths != layer.stored).any()))
+    else:
+        assert LAYOUTS[layout] in kinds, (method.describe(), kinds)
+        assert layout == "slots" or set(kinds) == {RaggedKV}
 
 
 # ---- 7. bad parameters: one-line errors at construction ------------------------------------------------

@@ -58,5 +58,5 @@ def test_summary_averages_samples_then_tasks():
     assert summary[("x", "average")]["achieved_compression"] == pytest.approx(0.51)
     assert "score" not in summary[("y", "average")] and summary[("y", "a")]["skipped"] == 1
     md = markdown_tables(summarize(rows))
-    assert "| full | 0 | 0.000 | 50.0 | 100.0 | **75.0** |" in md
+    assert "| full | 0 | 0.000 | 50.0 [9, 91] (n=2) | 100.0 [21, 100] | **75.0** [—] (n=3) |" in md
     assert "| y | 0.5 | — | n/a |" in md

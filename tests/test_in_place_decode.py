@@ -11,6 +11,7 @@ import kvtrim
 from kvtrim.methods.base import EvictOne, LayerView, Phase, keep_top, lowest_slot
 from kvtrim.methods.h2o import h2o_keep
 from kvtrim.methods.streaming import streaming_keep
+from kvtrim.storage import DenseKV, SlotKV
 
 METHODS = {
     "h2o-budget": lambda: kvtrim.H2O(budget=24),
@@ -80,12 +81,14 @@ def test_in_place_keeps_the_same_entries_and_tokens_as_copying(name):
     assert stats.stored_per_layer == ref_stats.stored_per_layer
     assert stats.bytes_stored == ref_stats.bytes_stored and stats.lengths_per_layer == ref_stats.lengths_per_layer
     for layer, ref in zip(cache.layers, ref_cache.layers):
-        assert ref.free_slots is None and not ref._slot_order  # the copying path never runs in place
+        assert ref.free_slots is None and not isinstance(ref.kv, SlotKV)  # the copying path never runs in place
+        assert isinstance(layer.kv, SlotKV)  # the in-place path left its layers in slot order
         assert layer.evictions == ref.evictions
         if name.startswith("h2o"):  # the accumulated scores follow the slots (up to summation order)
             torch.testing.assert_close(layer.state.scores.gather(-1, live_order(layer)), ref.state.scores,
                                        rtol=1e-5, atol=1e-6)
         layer.settle()  # back in position order: the same entries (their bits may differ in the last
+        assert type(layer.kv) is DenseKV
         assert torch.equal(layer.positions, ref.positions)  # places: attention sums in slot order)
         assert layer.free_slots is None and layer.keys.shape == ref.keys.shape
         torch.testing.assert_close(layer.keys, ref.keys)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvtrim.methods.base import KvtrimError
-from kvtrim.storage import RaggedKV, compact, keep_mask
+from kvtrim.storage import DenseKV, LayerStorage, RaggedKV, SlotKV, as_keep, compact, keep_mask, row_mask, switch
 
 
 class Reference:
@@ -284,3 +287,128 @@ def test_bad_inputs_give_clear_errors():
         store.append(torch.randn(1, 2, 1, 4).double(), torch.randn(1, 2, 1, 4).double(), torch.tensor([[9]]))
     with pytest.raises(KvtrimError, match="growth"):
         RaggedKV.empty(1, 1, 4, growth=0.5)
+
+
+# ---- the storage protocol and the dense / slot layouts (kvtrim/storage/) -------------------------------
+STORAGE_DIR = Path(__file__).resolve().parents[1] / "src" / "kvtrim" / "storage"
+
+
+def kvtrim_imports(path: Path) -> set[str]:
+    """Every `kvtrim...` module a file imports (module level or not)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvtrim"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("kvtrim"))
+    return names
+
+
+def test_layout_files_import_nothing_above_them():
+    files = sorted(STORAGE_DIR.glob("*.py"))
+    assert {f.stem for f in files} >= {"__init__", "base", "dense", "slots", "ragged", "switch"}
+    for f in files:
+        above = {m for m in kvtrim_imports(f) if not (m.startswith("kvtrim.storage") or m == "kvtrim.methods.base")}
+        assert not above, (f.name, above)
+
+
+def test_every_layout_implements_the_protocol():
+    members = {n for n in vars(LayerStorage) if not n.startswith("_")} | set(LayerStorage.__annotations__)
+    assert {"append", "evict", "view", "rect", "select_batch", "clone", "ideal_bytes", "ragged"} <= members
+    keys, values, positions = dense_entries()
+    for kv in (DenseKV(keys, values, positions), SlotKV(keys, values, positions),
+               RaggedKV.from_dense(keys, values, positions)):
+        assert all(hasattr(kv, m) for m in members), (type(kv).__name__, [m for m in members if not hasattr(kv, m)])
+        assert kv.width == 5 and kv.lengths.tolist() == [[5, 5], [5, 5]] and kv.head_dim == 3 and kv.batch == 2
+        assert torch.equal(kv.kept_positions(), positions) and kv.ideal_bytes() == keys.numel() * 4 * 2
+        assert kv.dense_shape() == (2, 2, 5, 3) and kv.entry_bytes() == 2 * 2 * 3 * 4 * 2
+        k, v, p, valid = kv.view()
+        assert torch.equal(k, keys) and torch.equal(v, values) and torch.equal(p, positions)
+        assert (valid is None) == (kv.rect() is not None) == (not kv.ragged)
+    assert not DenseKV.ragged and not SlotKV.ragged and RaggedKV.ragged
+
+
+def reference_keep(keep, lengths, width):
+    """A keep argument as plain per-row sorted lists of kept view indices."""
+    b, h = lengths.shape
+    if keep.dtype == torch.bool:
+        return [[[j for j in range(width) if keep[bi, hi, j]] for hi in range(h)] for bi in range(b)]
+    return [[sorted(j for j in keep[bi, hi].tolist() if j >= 0) for hi in range(h)] for bi in range(b)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_as_keep_is_one_form_for_masks_and_padded_indices(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, w = 2, 3, 9
+    lengths = torch.randint(3, w + 1, (b, h), generator=g)
+    lengths[0, 0] = w
+    mask = (torch.rand(b, h, w, generator=g) < 0.5) & row_mask(lengths, w)
+    if seed % 2:  # equal counts: the dense contract's indices
+        mask = row_mask(torch.full((b, h), 2), w)
+    want = reference_keep(mask, lengths, w)
+    for keep in (mask, as_keep(mask, w, lengths).indices):  # a mask, and -1-padded indices
+        got = as_keep(keep, w, lengths)
+        assert reference_keep(got.indices, lengths, w) == want
+        assert got.equal == (len({len(r) for rows in want for r in rows}) == 1)
+        assert got.equal or int(got.indices.min()) == -1
+        assert torch.equal(got.mask(w), mask)
+    plain = torch.tensor([[[0, 2]] * h] * b)
+    assert as_keep(plain, w).indices is plain and as_keep(plain, w).equal  # taken as is, no check
+    with pytest.raises(KvtrimError, match="padding entry"):
+        as_keep(torch.ones(b, h, w, dtype=torch.bool), w, lengths.clamp(max=w - 1))
+
+
+def dense_entries(b=2, h=2, n=5, d=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+    return keys, values, torch.arange(n).expand(b, h, n).clone()
+
+
+def test_dense_layout_appends_evicts_and_selects_rows():
+    keys, values, positions = dense_entries()
+    kv = DenseKV.empty(keys, values)
+    kv.append(keys, values, positions)
+    assert kv.width == 5 and kv.lengths.tolist() == [[5, 5], [5, 5]] and kv.view()[3] is None
+    keep = torch.tensor([[[0, 3], [1, 4]], [[2, 3], [0, 1]]])
+    kv.evict(as_keep(keep, kv.width))
+    assert torch.equal(kv.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 3)))
+    assert torch.equal(kv.positions, keep) and kv.ideal_bytes() == 2 * 2 * 2 * 3 * 4 * 2
+    copy = kv.clone()
+    kv.select_batch(torch.tensor([1, 1, 0]))
+    assert torch.equal(kv.positions, keep[[1, 1, 0]]) and torch.equal(copy.positions, keep)
+
+
+def test_slot_layout_writes_the_freed_slot_and_settles_to_position_order():
+    keys, values, positions = dense_entries()
+    dense = DenseKV(keys.clone(), values.clone(), positions.clone())
+    slots = switch.to_slots(dense, torch.tensor([[1, 3], [0, 4]]))  # these entries leave, in place
+    assert isinstance(slots, SlotKV) and slots.width == 4 and slots.lengths.tolist() == [[4, 4], [4, 4]]
+    assert slots.ideal_bytes() == dense_entries()[0].numel() * 4 * 2 * 4 // 5
+    ptr = slots.keys.data_ptr()
+    new_k, new_v = torch.ones(2, 2, 1, 3), torch.full((2, 2, 1, 3), 2.0)
+    slots.append(new_k, new_v, torch.full((2, 2, 1), 5))  # into the free slot: no reallocation
+    assert slots.keys.data_ptr() == ptr and slots.free_slots is None and slots.width == 5
+    assert slots.positions[0, 0].tolist() == [0, 5, 2, 3, 4] and slots.positions[1, 1].tolist() == [0, 1, 2, 3, 5]
+    assert slots.kept_positions()[0, 0].tolist() == [0, 2, 3, 4, 5]
+    slots.free(torch.tensor([[0, 0], [0, 0]]))
+    dense, order = switch.settle(slots)
+    assert type(dense) is DenseKV and switch.settle(dense) is None
+    assert dense.positions[0, 0].tolist() == [2, 3, 4, 5] and dense.positions[1, 1].tolist() == [1, 2, 3, 5]
+    assert torch.equal(dense.keys[0, 0, -1], torch.ones(3))  # position 5 is the written entry
+    assert torch.equal(order, slots.settle_order())
+
+
+def test_the_switch_moves_unequal_keeps_to_ragged_storage_and_refuses_them_in_slot_order():
+    keys, values, positions = dense_entries()
+    mask = torch.zeros(2, 2, 5, dtype=torch.bool)
+    mask[0, 0, :3] = mask[0, 1, 1:2] = mask[1, 0, 4] = mask[1, 1, :] = True
+    asked = []
+    ragged = switch.evict(DenseKV(keys, values, positions), as_keep(mask, 5), lambda: asked.append(1))
+    assert isinstance(ragged, RaggedKV) and asked == [1] and ragged.lengths.tolist() == [[3, 1], [1, 5]]
+    view = ragged.padded()
+    assert torch.equal(view.keys[view.valid], keys[mask]) and torch.equal(view.positions[view.valid], positions[mask])
+    equal = switch.evict(DenseKV(keys, values, positions), as_keep(row_mask(torch.full((2, 2), 2), 5), 5), None)
+    assert type(equal) is DenseKV and equal.width == 2  # equal counts stay dense (never asks)
+    slots = switch.to_slots(DenseKV(keys, values, positions), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(KvtrimError, match="slot order"):
+        switch.evict(slots, as_keep(mask, 5), lambda: None)

@@ -1,6 +1,10 @@
 """Block-wise KeyDiff's eviction share of a 4k prefill: main's code against candidate rewrites, in one
 process, interleaved (issue #15, item 1), and where the time of one eviction goes, operation by operation.
 
+This script times and patches the cache internals as they were before the storage refactor (issue 26,
+178e7a2: `TrimLayer._after_evict`, `kvtrim.cache.flat_rows` are gone); to reproduce its committed numbers,
+run it on a checkout of 57cba0c.
+
     PYTHONPATH=src python benchmarks/costfloor/ab_prefill.py [--threads 2] [--rounds 3] [--out FILE.json]
 
 1. A/B: `rounds` rounds of block-wise prefills (budget 1024, block 128, the default model, a ~4k-token

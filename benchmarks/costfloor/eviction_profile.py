@@ -1,5 +1,9 @@
 """Where block-wise KeyDiff's eviction time goes, and whether `torch.compile` pays on this CPU (issue #15).
 
+This script times and patches the cache internals as they were before the storage refactor (issue 26,
+178e7a2: `TrimLayer._after_evict`, `kvtrim.cache.flat_rows` are gone); to reproduce its committed numbers,
+run it on a checkout of 57cba0c.
+
     PYTHONPATH=src python benchmarks/costfloor/eviction_profile.py [--threads 1] [--out FILE.json]
 
 1. Profile: one block-wise KeyDiff prefill (budget 1024, block 128) of a ~4k-token passkey prompt with the

@@ -12,44 +12,38 @@ Logical vs physical length (the contract every model forward relies on):
 Every layer keeps `positions` `(batch, kv_heads, n)`, the original position of each stored entry,
 sorted ascending per head. Kept entries are gathered into new, smaller tensors: memory is really freed.
 
-In-place decoding (methods with `in_place_decode`: H2O, TOVA, StreamingLLM; on unless
-`TrimCache(in_place_decode=False)`): a dense layer's decode step that evicts exactly one entry per row
-does not copy the layer. The method returns the slot leaving each row (`EvictOne`); the slot stays,
-marked free (`TrimLayer.free_slots`), and the next decode step writes its new key, value and position
-into it (`index_copy_`: no `torch.cat`, no gather; the key tensor is not reallocated). Storage order is
-then no longer position order, and one slot per row may be free: `layer.positions` / `layer.keys` are in
-slot order (`kept_positions()` gives the sorted positions; `stored`, `lengths` and `stats()` count live
-entries only). Any other forward (an append, a multi-entry eviction, a copy for a new question through
-`kvtrim.compress`) first puts the layer back in position order (`settle()`, one gather), so every
-other path sees today's layout. Attention is order-free, up to float rounding: summing in another
-order can change the last bits of a step's output (kept sets and tokens matched the copying path in
-the tests, `tests/test_in_place_decode.py`).
+Storage: each layer holds a `kvtrim.storage.LayerStorage` (`layer.kv`) in one of three layouts, one
+file each under `kvtrim/storage/`; `kvtrim/storage/switch.py` is the only place a layer changes layout:
 
-Two storage layouts per layer (`TrimLayer.is_ragged`):
-
-* dense (the fast path): `keys`, `values` `(batch, kv_heads, n, head_dim)`, every `(sequence, kv_head)`
-  row holding the same `n` entries: what `DynamicCache` holds, bit-identical attention;
-* ragged: a `kvtrim.storage.RaggedKV` slot pool (`layer.storage`), every row its own length
-  (`layer.lengths`), allocated bytes within 2 % of the entries held. A layer switches for good the first
-  time a method keeps unequal numbers of entries per row (a keep mask, or indices padded with -1: e.g.
-  `kvtrim.AdaKV`). Attention over a ragged layer needs kvtrim's attention function, which calls
-  `kvtrim.ragged_attention` on the step's transient padded view (a missing hand-off is an error at the
-  next layer's update, as for methods that need queries). Methods then see that padded view
-  (`view.valid` marks the stored entries).
+* dense (`DenseKV`, the fast path): `keys`, `values` `(batch, kv_heads, n, head_dim)`, every `(sequence,
+  kv_head)` row holding the same `n` entries: what `DynamicCache` holds, bit-identical attention;
+* slots (`SlotKV`, in-place decoding: methods with `in_place_decode`, H2O, TOVA, StreamingLLM; on unless
+  `TrimCache(in_place_decode=False)`): a decode step that evicts exactly one entry per row does not copy
+  the layer. The method returns the slot leaving each row (`EvictOne`); the slot stays, marked free
+  (`TrimLayer.free_slots`), and the next decode step writes its new entry into it (`index_copy_`).
+  `layer.positions` / `layer.keys` are then in slot order (`kept_positions()` gives the sorted positions;
+  `stored`, `lengths` and `stats()` count live entries only). Any other forward first puts the layer
+  back in position order (`settle()`, one gather). Attention is order-free up to float rounding (kept
+  sets and tokens matched the copying path in `tests/test_in_place_decode.py`);
+* ragged (`RaggedKV`, `layer.storage`): a slot pool, every row its own length (`layer.lengths`),
+  allocated bytes within 2 % of the entries held. A layer switches for good the first time a method keeps
+  unequal numbers of entries per row (a keep mask, or indices padded with -1: e.g. `kvtrim.AdaKV`).
+  Attention over it needs kvtrim's attention function, which calls `kvtrim.ragged_attention` on the
+  step's transient padded view (a missing hand-off is an error at the next layer's update, as for methods
+  that need queries). Methods then see that padded view (`view.valid` marks the stored entries).
 
 Padded batches: kvtrim's mask builders record the forward's 2D padding mask (`record_padding_mask`);
 `TrimCache.update` reads which of the step's tokens are pads from its last q columns and takes each
 sequence's positions from the model's `position_ids`. A cache whose first forward has pads (or built with
 `padded=True`) keeps every layer ragged from the start and never stores a pad; `seen` counts columns (what
-`generate` and the mask sizes use) and `TrimLayer.seq` each sequence's real tokens and method state. The
-method then runs once per sequence on a batch-1 view of that sequence's entries (`sequence_view`): the
-kept entries are those of the sequence alone, for any method, through the contract only.
+`generate` and the mask sizes use) and `TrimLayer.seq` (`kvtrim.padded_batch.PaddedBatch`) each
+sequence's real tokens and method state. The method then runs once per sequence on a batch-1 view of
+that sequence's entries (`sequence_view`): the kept entries are those of the sequence alone.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -61,7 +55,12 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from kvtrim.methods.base import EvictionMethod, EvictOne, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
-from kvtrim.storage import PaddedView, RaggedKV, keep_mask
+from kvtrim.padded_batch import PaddedBatch, PerSequence
+from kvtrim.storage import as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
+from kvtrim.stored_layer import StoredLayer
+
+__all__ = ["CacheStats", "TrimCache", "TrimLayer", "flat_rows", "record_padding_mask", "select_rows",
+           "take_pending_layer"]
 
 # ---- the hand-off to kvtrim's attention function ---------------------------------------------------
 # The protocol (all of it): `TrimLayer.update` of a layer whose method waits for its attention registers
@@ -95,37 +94,6 @@ def _take_padding_mask() -> tuple[bool, torch.Tensor | None]:
     return True, mask
 
 
-@dataclass
-class _Sequences:
-    """A padded batch's per-sequence bookkeeping (`TrimLayer.seq`): the method runs once per sequence,
-    on what that sequence alone would show it (see `TrimLayer`).
-
-    states: the method's state per sequence; seen: real (non-pad) tokens seen per sequence; new: real
-    tokens of the current forward per sequence; prompt: each sequence's prompt length once it ended;
-    step_valid: `(batch, q)` bool, the real tokens of the current forward (None: all real)."""
-
-    states: list
-    seen: list[int]
-    new: list[int]
-    prompt: list[int] | None = None
-    step_valid: torch.Tensor | None = None
-
-    def select(self, rows: list[int]) -> _Sequences:
-        return _Sequences([copy.deepcopy(self.states[i]) for i in rows], [self.seen[i] for i in rows],
-                          [self.new[i] for i in rows], None if self.prompt is None else [self.prompt[i] for i in rows],
-                          None if self.step_valid is None else self.step_valid[rows])
-
-
-@dataclass
-class _PerSequence:
-    """The keep decisions of a padded batch's sequences (one per sequence, None = keep all), made on
-    `views` (batch-1 views of `padded`, the layer's padded view at decision time)."""
-
-    keeps: list
-    views: list
-    padded: PaddedView
-
-
 def _pending() -> TrimLayer | None:
     ref = _PENDING_LAYER.get()
     return None if ref is None else ref()
@@ -143,20 +111,6 @@ def take_pending_layer(layer_idx: int) -> TrimLayer | None:
     return layer
 
 
-def _map_tensors(obj: Any, fn) -> Any:
-    """Apply `fn` to every tensor held directly by `obj` (a tensor, dict, list or dataclass)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    if is_dataclass(obj) and not isinstance(obj, type):
-        for name, value in vars(obj).items():
-            setattr(obj, name, _map_tensors(value, fn))
-    return obj
-
-
 def _tensors(obj: Any):
     """Yield every tensor held directly by `obj` (a tensor, dict, list or dataclass)."""
     if isinstance(obj, torch.Tensor):
@@ -172,41 +126,13 @@ def _tensors(obj: Any):
             yield from _tensors(v)
 
 
-@functools.lru_cache(maxsize=64)
-def _row_offsets(b: int, h: int, n: int, device: torch.device) -> torch.Tensor:
-    """`(b, h, 1)`: the first row of each (batch, head) in a `(b * h * n, ...)` flattening (read-only)."""
-    return torch.arange(0, b * h * n, n, device=device).view(b, h, 1)
+class TrimLayer(StoredLayer):
+    """A full-attention cache layer that evicts: the phase machine and the method calls.
 
-
-def flat_rows(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """Row numbers, in a `(batch * kv_heads * n, ...)` flattening, of the kept entries `keep` `(batch, kv_heads, k)`.
-
-    The per-head offsets are cached by shape: on CPU an eviction costs per operation, and the layer
-    shape repeats at every block."""
-    b, h, _ = keep.shape
-    return (keep + _row_offsets(b, h, n, keep.device)).flatten()
-
-
-def select_rows(x: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """`x` `(batch, kv_heads, n, d)` reduced to the kept rows -> `(batch, kv_heads, k, d)`.
-
-    One `index_select` on the flattened tensor: on CPU it is 5-15x faster than `gather` with an index
-    expanded over `d`, for the same result."""
-    b, h, _, d = x.shape
-    return x.reshape(-1, d).index_select(0, rows).view(b, h, k, d)
-
-
-class TrimLayer(DynamicLayer):
-    """A full-attention cache layer that stores keys, values and original positions, and evicts.
-
-    Attributes:
-        keys, values: `(batch, kv_heads, n_stored, head_dim)` (None once the layer is ragged).
-        positions: `(batch, kv_heads, n_stored)` LongTensor, original position of each entry (None once
-            ragged: `storage.positions`, -1 past a row's length).
-        storage: the `RaggedKV` of a ragged layer, else None. lengths: `(batch, kv_heads)` stored per row.
-        seen: tokens seen by this layer. `peak`: largest number of entries ever held (transients included).
-        prompt_tokens: the prompt's length once it ended (None while the prompt is open).
-        state: the method's per-layer state.
+    What the layer holds is read through its storage (`StoredLayer`: `keys`, `values`, `positions`,
+    `storage`, `lengths`, `kept_positions()`; the layouts: `kvtrim.storage`); a padded batch's per-sequence
+    bookkeeping is `seq` (`kvtrim.padded_batch`). `peak`: the most entries ever held (transients
+    included); `prompt_tokens`: the prompt's length once it ended; `state`: the method's per-layer state.
 
     Phases (see `kvtrim.methods.base`): a forward's phase is the one its cache declared
     (`TrimCache.phase(...)`, used by `kvtrim.prefill` / `kvtrim.compress`), else inferred: while the
@@ -215,50 +141,31 @@ class TrimLayer(DynamicLayer):
     multi-token forwards are appends and single tokens decode steps.
     """
 
-    is_croppable = False
-
     def __init__(self, method: EvictionMethod, layer_idx: int, owner: TrimCache | None = None,
                  in_place_decode: bool = True):
-        super().__init__()
-        self.method = method
+        super().__init__(owner)
+        self.method, self.layer_idx = method, layer_idx
         #: decode steps of methods with `in_place_decode` reuse the slot they freed (module docstring)
         self.in_place_decode = in_place_decode
-        #: `(batch, kv_heads)` the free slot of each row after an in-place eviction (None: no free slot)
-        self.free_slots: torch.Tensor | None = None
-        self._slot_order = False  # True once in-place decoding left entries out of position order
         self._step_in_place = False  # this forward runs in place (the method's views say so)
-        self.layer_idx = layer_idx
-        self._owner = None if owner is None else weakref.ref(owner)
-        self.positions: torch.Tensor | None = None
         #: every position this layer stored is its token's index (0, 1, 2, ... as fed: no custom position
         #: ids), so the last `m` tokens appended sit at positions `seen - m` .. `seen - 1`
         self.counted_positions = True
-        self.seen = 0
-        self.peak = 0
-        self.evictions = 0
+        self.peak = self.evictions = 0
         self.prompt_tokens: int | None = None
         self.state = method.new_state(layer_idx)
         self.attn_scaling: float | None = None  # the softmax scale handed over by kvtrim's attention
-        self._awaiting_attention = False
         # (phase, ends the prompt, entries appended, pass info) of this forward
         self._forward: tuple[Phase, bool, int, Any] = (Phase.PREFILL, False, 0, None)
-        self._prompt_queries: torch.Tensor | None = None  # kept for a deferred prompt end
         self._scoring: tuple[torch.Tensor, ...] | None = None  # a scoring pass's transient (keys, values, positions)
-        self.storage: RaggedKV | None = None
-        # a ragged layer's step, for kvtrim's attention: [padded view or None, query positions (b, q),
-        # whether the storage still ends with this step's entries (nothing evicted since the append)]
-        self._ragged_step: list | None = None
-        #: a padded batch's per-sequence bookkeeping (None: the batch's rows are processed together)
-        self.seq: _Sequences | None = None
 
-    @property
-    def owner(self) -> TrimCache | None:
-        return None if self._owner is None else self._owner()
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        b, h = key_states.shape[:2]
-        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, padded: bool = False) -> None:
+        """The first forward: dense storage, or (a padded batch, `padded`) ragged storage from the start
+        and per-sequence bookkeeping (pads are never stored)."""
+        self.device, self.is_initialized = key_states.device, True
+        self.kv = switch.empty(key_states, value_states, padded)
+        if padded:
+            self.seq, self.state = PaddedBatch.start(self.method, self.layer_idx, key_states.shape[0]), None
 
     # ---- phases ------------------------------------------------------------------------------
     def _phase_of(self, q: int) -> tuple[Phase, bool, Any]:
@@ -273,35 +180,18 @@ class TrimLayer(DynamicLayer):
             return Phase.PREFILL, False, None
         return (Phase.APPEND if q > 1 else Phase.DECODE), False, None
 
-    @property
-    def is_ragged(self) -> bool:
-        """True once rows hold different numbers of entries (stored in `storage`, see the module docstring)."""
-        return self.storage is not None
-
-    def padded_view(self) -> PaddedView:
-        """A ragged layer's padded view `(batch, kv_heads, width, ...)`; built once per step (transient)."""
-        check(self.is_ragged, "padded_view is for ragged layers")
-        step = self._ragged_step
-        if step is not None and step[0] is not None:
-            return step[0]
-        view = self.storage.padded()
-        if step is not None:
-            step[0] = view
-        return view
-
     def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None) -> LayerView:
         """The read-only view a method gets, for the current forward (in a scoring pass: the stored
         entries followed by the pass's own, which are not stored; in a ragged layer: the padded view,
         `valid` marking the stored entries)."""
         phase, ends, n_new, info = self._forward
-        valid = None
         if self._scoring is not None:
-            keys, values, positions = self._scoring
-        elif self.is_ragged:
-            padded = self.padded_view()
-            keys, values, positions, valid = padded.keys, padded.values, padded.positions, padded.valid
+            (keys, values, positions), valid = self._scoring, None
+        elif self._ragged_step is not None:  # this step's padded view, built once
+            p = self.padded_view()
+            keys, values, positions, valid = p.keys, p.values, p.positions, p.valid
         else:
-            keys, values, positions = self.keys, self.values, self.positions
+            keys, values, positions, valid = self.kv.view()
         return LayerView(
             keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
@@ -309,79 +199,19 @@ class TrimLayer(DynamicLayer):
             valid=valid, in_place=self._step_in_place, counted_positions=self.counted_positions,
         )
 
-    @property
-    def per_sequence(self) -> bool:
-        """True for the layers of a padded batch: the method decides once per sequence (see `_decide`)."""
-        return self.seq is not None
-
-    def sequence_view(self, b: int, padded: PaddedView | None = None, queries=None,
-                      attention: torch.Tensor | None = None) -> LayerView:
-        """What sequence `b` of a padded batch would show the method alone: a batch-1 view of its stored
-        entries `(1, kv_heads, n_b, head_dim)` (dense when its heads hold equal counts, else with `valid`),
-        its own token counts (`seen`, `n_new`, `prompt_tokens`), its own state, and the queries /
-        probabilities of its real tokens only. `queries`: the forward's `(batch, q_heads, q, d)`, or a
-        list of per-sequence queries (a deferred prompt end)."""
-        check(self.seq is not None, "sequence_view is for the layers of a padded batch")
-        padded = padded if padded is not None else self.padded_view()
-        seq = self.seq
-        lengths = padded.lengths[b]
-        n = int(lengths.max()) if lengths.numel() else 0
-        keys = padded.keys[b : b + 1, :, :n].contiguous()
-        values = padded.values[b : b + 1, :, :n].contiguous()
-        positions = padded.positions[b : b + 1, :, :n].contiguous()
-        valid = None if bool((lengths == n).all()) else padded.valid[b : b + 1, :, :n].contiguous()
-        real = None if seq.step_valid is None else seq.step_valid[b]
-        queries = self._real_queries(b, queries)
-        if attention is not None:
-            attention = attention[b : b + 1, ..., :n]
-            if real is not None and attention.shape[2] == real.shape[0]:
-                attention = attention[:, :, real]
-        phase, ends, _, info = self._forward
-        return LayerView(
-            keys=keys, values=values, positions=positions, layer_idx=self.layer_idx,
-            seen=seq.seen[b], n_new=seq.new[b], phase=phase, prompt_end=ends,
-            prompt_tokens=None if seq.prompt is None else seq.prompt[b], state=seq.states[b], queries=queries,
-            attention=attention, scaling=self.attn_scaling, pass_info=info, valid=valid,
-        )
-
-    def _real_queries(self, b: int, queries):
-        """Sequence `b`'s queries `(1, q_heads, q_b, d)` of its real tokens (`queries`: the forward's, or a
-        list of per-sequence queries)."""
-        if isinstance(queries, list) or queries is None:
-            return None if queries is None else queries[b]
-        real = self.seq.step_valid
-        if real is None or queries.shape[2] != real.shape[1]:
-            return queries[b : b + 1]
-        return queries[b : b + 1, :, real[b]]
-
     def _decide(self, hook: str, queries=None, attention: torch.Tensor | None = None):
-        """Call the method's `hook` (`on_update`, `on_attention`, `on_prompt_end`) and return its keep.
-
-        A padded batch: once per sequence, on `sequence_view(b)`, so each sequence is evicted exactly as
-        it would be alone (its own budget, `compression_ratio` of its own prompt, its own state); a
-        sequence without a real token in this forward is skipped (alone, it would not have run it),
-        unless the forward ends the prompt. Returns a `_PerSequence` (or None when every sequence keeps
-        everything)."""
+        """Call the method's `hook` (`on_update`, `on_attention`, `on_prompt_end`) and return its keep (a
+        padded batch: once per sequence, `PaddedBatch.decide`)."""
         if self.seq is None:
             return getattr(self.method, hook)(self.view(queries=queries, attention=attention))
-        padded = self.padded_view()
-        ends = self._forward[1]
-        keeps, views = [], []
-        for b in range(padded.lengths.shape[0]):
-            if hook != "on_prompt_end" and self.seq.new[b] == 0 and not ends:
-                keeps.append(None)
-                views.append(None)
-                continue
-            view = self.sequence_view(b, padded, queries, attention)
-            keeps.append(getattr(self.method, hook)(view))
-            views.append(view)
-        return None if all(k is None for k in keeps) else _PerSequence(keeps, views, padded)
+        return self.seq.decide(self.method, hook, self.padded_view(), self._forward, self.layer_idx,
+                               self.attn_scaling, queries, attention)
 
     def _start_prompt_end(self) -> None:
         """Mark the prompt ended (global and per-sequence counts)."""
         self.prompt_tokens = self.seen
         if self.seq is not None:
-            self.seq.prompt = list(self.seq.seen)
+            self.seq.end_prompt()
 
     def end_prompt(self) -> None:
         """End the prompt now (deferred end): one-shot methods compress what is stored. Idempotent."""
@@ -392,47 +222,24 @@ class TrimLayer(DynamicLayer):
             return
         self._forward = (Phase.PREFILL, True, 0, None)
         if self.seq is not None:
-            self.seq.new = [0] * len(self.seq.new)
-            self.seq.step_valid = None
+            self.seq.deferred_prompt_end()
         queries, self._prompt_queries = self._prompt_queries, None
         self.evict(self._decide("on_prompt_end", queries=queries))
 
     # ---- the forward ---------------------------------------------------------------------------
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        *args,
-        positions: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        counted: bool = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None, counted: bool = False,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `(batch, kv_heads, q, head_dim)` states; return the full states, keep the method's subset.
-
-        `positions`: `(batch, q)` original positions of the new tokens (default: `seen + arange(q)`);
-        `counted`: the given `positions` are that default (see `counted_positions`).
-        `valid`: `(batch, q)` bool, False for the pads of a padded batch (default: all real). A layer whose
-        first forward has pads is a padded batch's layer for good: ragged storage that never stores a pad,
-        the method run per sequence (`_decide`).
-        """
+        `positions`: `(batch, q)` of the new tokens (default `seen + arange(q)`; `counted`: they are that).
+        `valid`: `(batch, q)` bool, False for pads: a layer whose first forward has pads is a padded batch's
+        for good (ragged, never stores a pad, the method run per sequence: `kvtrim.padded_batch`)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            if valid is not None:
-                self._start_padded(key_states)
+            self.lazy_initialization(key_states, value_states, padded=valid is not None)
         elif valid is not None and self.seq is None:
             raise KvtrimError("padding appeared after the first forward of this cache: pad the batch from its "
                               "first forward (left padding, as transformers' generate does)")
-        previous = _pending()
-        unanswered = self._awaiting_attention or (
-            previous is not None and previous is not self and previous._awaiting_attention
-            and previous.owner is not None and previous.owner is self.owner
-        )
-        if unanswered:  # the previous layer's attention never handed over its queries
-            raise KvtrimError(
-                f"{type(self.method).__name__} needs kvtrim's attention function: call kvtrim.enable(model) "
-                "or load the model with kvtrim.load_model()"
-            )
+        self._check_handed_over()
         b, h, q = key_states.shape[:3]
         self._step_in_place = False
         phase, ends, info = self._phase_of(q)
@@ -446,142 +253,72 @@ class TrimLayer(DynamicLayer):
         positions = positions[:, None, :].expand(b, h, q)
         if self.seq is not None:
             check(phase is not Phase.SCORE, "scoring passes are not supported on a padded batch")
-            real = valid.sum(-1).tolist() if valid is not None else [q] * b
-            self.seq.new = real
-            self.seq.seen = [s + n for s, n in zip(self.seq.seen, real)]
-            self.seq.step_valid = valid
+            self.seq.start_forward(valid, b, q)
         in_place = self._runs_in_place(phase, q)
-        if self._slot_order and not in_place:
+        if not in_place:
             self.settle()
-        if self.is_ragged:
-            return self._update_ragged(key_states, value_states, positions, phase, ends, q, info, valid)
-        if phase is Phase.SCORE:  # attend to everything, store nothing, do not advance
-            check(self.method.waits_for_attention, f"{type(self.method).__name__} has no scoring passes")
-            self._scoring = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2),
-                             torch.cat([self.positions, positions], dim=-1))
-            self._forward = (phase, False, q, info)
-            self.peak = max(self.peak, self._scoring[0].shape[-2])
-            self._awaiting_attention = True
-            _PENDING_LAYER.set(weakref.ref(self))
-            return self._scoring[0], self._scoring[1]
-        if in_place and self.free_slots is not None:
-            self._write_free(key_states, value_states, positions)
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            self.positions = torch.cat([self.positions, positions], dim=-1)
+        if phase is Phase.SCORE:
+            return self._scoring_pass(key_states, value_states, positions, info)
+        self.kv.append(key_states, value_states, positions, valid=valid)
         self._step_in_place = in_place
         self.seen += q
-        self.peak = max(self.peak, self.keys.shape[-2])
+        self.peak = max(self.peak, self.stored)
         if ends:
             self._start_prompt_end()
         self._forward = (phase, ends, q, info)
-        full_keys, full_values = self.keys, self.values
-
-        self.evict(self.method.on_update(self.view()))
-        self._awaiting_attention = self.method.waits_for_attention
+        full = self.kv.rect()  # attend, then evict: this step attends to everything just appended
+        if full is None:  # ragged: kvtrim's attention attends to the step's padded view, and must run
+            self._ragged_step = [None, positions[:, 0, :], True, valid]
+        keep = self._decide("on_update")
+        if keep is not None and full is None:
+            self.padded_view()  # the view taken before the eviction
+            self._ragged_step[2] = False
+        self.evict(keep)
+        self._awaiting_attention = full is None or self.method.waits_for_attention
         _PENDING_LAYER.set(weakref.ref(self))  # also lets kvtrim's attention check the layer kind
-        return full_keys, full_values
+        if full is None:
+            full = (view := self.padded_view()).keys, view.values
+        return full[0], full[1]
 
-    # ---- in-place decoding -----------------------------------------------------------------------
+    def _check_handed_over(self) -> None:
+        """The previous layer of this cache waiting for its attention must have had it."""
+        previous = _pending()
+        unanswered = self._awaiting_attention or (
+            previous is not None and previous is not self and previous._awaiting_attention
+            and previous.owner is not None and previous.owner is self.owner)
+        if unanswered:  # the previous layer's attention never handed over its queries
+            raise KvtrimError(f"{type(self.method).__name__} needs kvtrim's attention function: call "
+                              "kvtrim.enable(model) or load the model with kvtrim.load_model()")
+
+    def _scoring_pass(self, key_states, value_states, positions, info) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attend to everything, store nothing, do not advance: the method's `on_attention` sees it."""
+        check(not self.kv.ragged, "scoring passes over a ragged cache layer are not supported")
+        check(self.method.waits_for_attention, f"{type(self.method).__name__} has no scoring passes")
+        keys, values, stored = self.kv.rect()
+        self._scoring = (torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2),
+                         torch.cat([stored, positions], dim=-1))
+        self._forward = (Phase.SCORE, False, key_states.shape[2], info)
+        self.peak = max(self.peak, self._scoring[0].shape[-2])
+        self._awaiting_attention = True
+        _PENDING_LAYER.set(weakref.ref(self))
+        return self._scoring[0], self._scoring[1]
+
     def _runs_in_place(self, phase: Phase, q: int) -> bool:
         """This forward may run in place: a single-token decode step of a dense, unpadded layer whose
         method opted in (`in_place_decode`), whose tensors may be written."""
         return (q == 1 and phase is Phase.DECODE and self.in_place_decode and self.method.in_place_decode
-                and self.seq is None and self.storage is None
+                and self.seq is None and (rect := self.kv.rect()) is not None
                 # tensors made under torch.inference_mode cannot be written outside it: copy instead
-                and not (self.keys.is_inference() and not torch.is_inference_mode_enabled()))
-
-    def _write_free(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write this step's entry `(batch, kv_heads, 1, ...)` of each row into the row's free slot."""
-        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
-            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()  # once (after a batch op)
-            self.positions = self.positions.contiguous()
-        rows = flat_rows(self.free_slots[..., None], self.keys.shape[2])
-        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]))
-        self.values.view(-1, self.values.shape[-1]).index_copy_(
-            0, rows, value_states.reshape(-1, value_states.shape[-1]))
-        self.positions.view(-1).index_copy_(0, rows, positions.reshape(-1))
-        self.free_slots = None
+                and not (rect[0].is_inference() and not torch.is_inference_mode_enabled()))
 
     def settle(self) -> None:
         """Put a layer that in-place decoding left in slot order back in position order, without its free
         slots: one gather of the live entries, as an eviction (the method's state follows through
         `gather_state`). Called before any forward that does not run in place; a no-op otherwise."""
-        if not self._slot_order:
-            return
-        if self.keys is None:
-            self._slot_order, self.free_slots = False, None
-            return
-        n, order = self.stored, self._live_order()
-        self._slot_order, self.free_slots = False, None
-        rows = flat_rows(order, self.keys.shape[2])
-        self.keys = select_rows(self.keys, rows, n)
-        self.values = select_rows(self.values, rows, n)
-        self.positions = self.positions.gather(2, order)
-        self.state = self.method.gather_state(self.state, order)
-
-    def kept_positions(self) -> torch.Tensor | None:
-        """`(batch, kv_heads, n)`: the positions of the stored entries, ascending per row whatever the storage
-        order (in-place decoding keeps them in slot order; free slots left out). A ragged layer: its
-        storage's positions (-1 past each row's length). None before the first update."""
-        if self.is_ragged:
-            return self.storage.positions.clone()
-        if self.positions is None:
-            return None
-        if not self._slot_order:
-            return self.positions.clone()
-        return self.positions.gather(-1, self._live_order())
-
-    def _live_order(self) -> torch.Tensor:
-        """`(batch, kv_heads, stored)`: the slots of the live entries in position order (free slots left out)."""
-        pos = self.positions
-        if self.free_slots is not None:
-            pos = pos.scatter(-1, self.free_slots[..., None], torch.iinfo(pos.dtype).max)  # free slots sort last
-        return pos.argsort(dim=-1)[..., : self.stored]
-
-    def _start_padded(self, key_states: torch.Tensor) -> None:
-        """The first forward of a padded batch: ragged storage from the start (pads are never stored), and
-        per-sequence bookkeeping. Needs kvtrim's attention (whose mask builder reported the padding)."""
-        b, h, _, d = key_states.shape
-        self.storage = RaggedKV.empty(b, h, d, dtype=key_states.dtype, device=key_states.device)
-        self.keys = self.values = self.positions = None
-        self.seq = _Sequences([self.method.new_state(self.layer_idx) for _ in range(b)], [0] * b, [0] * b)
-        self.state = None
-
-    def _update_ragged(self, key_states, value_states, positions, phase, ends, q, info, valid=None):
-        """`update` of a ragged layer: append to the storage, keep the step's padded view for kvtrim's
-        attention (which must run: `_awaiting_attention` is always set), let the method decide."""
-        check(phase is not Phase.SCORE, "scoring passes over a ragged cache layer are not supported")
-        self.storage.append(key_states, value_states, positions, valid=valid)
-        self.seen += q
-        self.peak = max(self.peak, self.storage.width)
-        if ends:
-            self._start_prompt_end()
-        self._forward = (phase, ends, q, info)
-        self._ragged_step = [None, positions[:, 0, :], True, valid]
-        keep = self._decide("on_update")
-        if keep is not None:
-            self.padded_view()  # attend, then evict: the step attends to the view taken before the eviction
-            self._ragged_step[2] = False
-        self.evict(keep)
-        self._awaiting_attention = True
-        _PENDING_LAYER.set(weakref.ref(self))
-        view = self.padded_view()
-        return view.keys, view.values
-
-    def take_ragged_step(
-        self,
-    ) -> tuple[PaddedView | None, RaggedKV | None, torch.Tensor, torch.Tensor | None] | None:
-        """For kvtrim's attention: `(padded view or None, storage or None, query positions (b, q), real
-        queries (b, q) bool or None)` of this ragged step (the storage when it still ends with the step's
-        entries: a varlen kernel may read it), or None for a dense layer. The step is cleared by
-        `after_attention` (the method's view reuses it). Pad queries (False) see nothing."""
-        step = self._ragged_step
-        if step is None:
-            return None
-        view, query_positions, intact, query_valid = step
-        return view, (self.storage if intact else None), query_positions, query_valid
+        settled = switch.settle(self.kv)
+        if settled is not None:
+            self.kv, order = settled
+            self.state = self.method.gather_state(self.state, order)
 
     @property
     def awaiting_attention(self) -> bool:
@@ -619,13 +356,8 @@ class TrimLayer(DynamicLayer):
             return
         tail = self.method.prompt_queries()
         if phase is Phase.PREFILL and not ends and tail and queries is not None:  # for a deferred prompt end
-            if self.seq is None:
-                self._prompt_queries = queries[:, :, -tail:]
-            else:  # each sequence's own last real queries (a sequence without any in this forward keeps its own)
-                old = self._prompt_queries or [None] * queries.shape[0]
-                self._prompt_queries = [
-                    self._real_queries(b, queries)[:, :, -tail:] if n else old[b]
-                    for b, n in enumerate(self.seq.new)]
+            self._prompt_queries = (queries[:, :, -tail:] if self.seq is None
+                                    else self.seq.tail_queries(queries, tail, self._prompt_queries))
         self.evict(self._decide("on_attention", queries=queries, attention=attention))
 
     def cancel_attention(self) -> None:
@@ -635,190 +367,39 @@ class TrimLayer(DynamicLayer):
         if _pending() is self:
             _PENDING_LAYER.set(None)
 
-    def evict(self, keep: torch.Tensor | None) -> None:
-        """Reduce the layer to the kept entries (None: keep all). `keep`: indices `(batch, kv_heads, n_keep)`
-        sorted ascending (every row keeps `n_keep`: one `index_select` of keys, values and positions into
-        new, smaller tensors), or per-row counts: a bool mask `(batch, kv_heads, n)` or indices padded with
-        -1. Unequal counts switch the layer to ragged storage (exactly the kept entries are copied into it);
-        a ragged layer frees the evicted slots (`RaggedKV.evict`). Then the method's state."""
+    def evict(self, keep) -> None:
+        """Reduce the layer to the kept entries (None: keep all), then the method's state. `keep`: indices
+        `(batch, kv_heads, n_keep)` sorted ascending, a bool mask `(batch, kv_heads, n)` or indices padded
+        with -1 (converted once, `kvtrim.storage.as_keep`; unequal counts make the layer ragged:
+        `storage.switch`); `EvictOne` (in-place steps: the slot stays, free for the next step's entry); a
+        padded batch's per-sequence decisions (`PerSequence`, one keep mask)."""
         if keep is None:
             return
-        if isinstance(keep, _PerSequence):
-            self._evict_per_sequence(keep)
-            return
-        if isinstance(keep, EvictOne):  # in place: the slot stays, free for the next step's entry
+        self.evictions += 1
+        if isinstance(keep, EvictOne):
             check(self._step_in_place and self.free_slots is None,
                   "EvictOne is only for in-place decode steps (view.in_place)")
-            self.free_slots = keep.slots
-            self._slot_order = True
+            self.kv = switch.to_slots(self.kv, keep.slots)
             self.state = self.method.free_state(self.state, keep.slots)
-            self.evictions += 1
             return
-        if self.is_ragged:
-            self.storage.evict(keep)
-            self._after_evict(keep)
+        if isinstance(keep, PerSequence):  # each sequence's state was reduced with its own keep
+            self.kv.evict(as_keep(self.seq.keep_mask(self.method, keep), self.kv.width, self.kv.lengths))
             return
-        b, h, n = self.positions.shape
-        if keep.dtype == torch.bool or (keep.numel() > 0 and int(keep.min()) < 0):
-            check(not self._slot_order, "a layer in slot order (in-place decoding) takes kept indices or EvictOne")
-            mask = keep_mask(keep, torch.full((b, h), n, dtype=torch.long, device=keep.device), n)
-            counts = mask.sum(-1)
-            if bool((counts != counts.max()).any()):
-                owner = self.owner
-                check(owner is None or owner.kvtrim_attention,
-                      f"{type(self.method).__name__} keeps different numbers of entries per head, which needs "
-                      "kvtrim's attention function: call kvtrim.enable(model) or load the model with "
-                      "kvtrim.load_model() (no kvtrim attention has run on this cache yet)")
-                self.storage = RaggedKV.from_dense(self.keys, self.values, self.positions, valid=mask)
-                self.keys = self.values = self.positions = None
-                self._after_evict(keep)
-                return
-            keep = mask.nonzero()[:, -1].view(b, h, -1)  # equal counts: the dense contract's indices
-        rows = flat_rows(keep, self.keys.shape[2])
-        self.keys = select_rows(self.keys, rows, keep.shape[-1])
-        self.values = select_rows(self.values, rows, keep.shape[-1])
-        self.positions = self.positions.gather(2, keep)
-        self._after_evict(keep)
+        keep = as_keep(keep, self.kv.width, self.kv.lengths)
+        self.kv = switch.evict(self.kv, keep, self._check_may_go_ragged)
+        self.state = self.method.gather_state(self.state, keep.indices)
 
-    def _evict_per_sequence(self, decided: _PerSequence) -> None:
-        """A padded batch: map each sequence's keep (over its batch-1 view) into one keep mask over the
-        padded view, evict, and reduce each sequence's state with its own keep."""
-        mask = decided.padded.valid.clone()
-        for b, (keep, view) in enumerate(zip(decided.keeps, decided.views)):
-            if keep is None:
-                continue
-            n = view.stored
-            mask[b, :, :n] = keep_mask(keep, view.lengths, n)[0]
-            mask[b, :, n:] = False
-            self.seq.states[b] = self.method.gather_state(self.seq.states[b], keep)
-        self.storage.evict(mask)
-        self.evictions += 1
-
-    def _after_evict(self, keep: torch.Tensor) -> None:
-        self.state = self.method.gather_state(self.state, keep)
-        self.evictions += 1
-
-    # ---- lengths ---------------------------------------------------------------------------
-    @property
-    def stored(self) -> int:
-        """Entries per row of a dense layer; the longest row of a ragged one (the padded view's width)."""
-        if self.is_ragged:
-            return self.storage.width
-        return 0 if self.keys is None else self.keys.shape[-2] - (self.free_slots is not None)
-
-    @property
-    def lengths(self) -> torch.Tensor | None:
-        """`(batch, kv_heads)` int64: entries stored per (sequence, kv_head) row (None before the first update)."""
-        if self.is_ragged:
-            return self.storage.lengths.clone()
-        if self.positions is None:
-            return None
-        b, h = self.positions.shape[:2]
-        return torch.full((b, h), self.stored, dtype=torch.long, device=self.positions.device)
-
-    def kv_tensors(self) -> list[torch.Tensor]:
-        """The tensors holding this layer's keys and values (the pools of a ragged layer)."""
-        if self.is_ragged:
-            return [self.storage.keys_pool, self.storage.values_pool]
-        return [t for t in (self.keys, self.values) if t is not None]
-
-    def entry_bytes(self) -> int:
-        """Bytes of one token of every (sequence, kv_head) row: its key and value (0 before the first update)."""
-        if self.is_ragged:
-            return self.storage.batch * self.storage.kv_heads * self.storage.head_dim * 2 * self.storage.dtype.itemsize
-        if self.keys is None or self.keys.numel() == 0:
-            return 0
-        b, h, _, d = self.keys.shape
-        return b * h * (d * self.keys.element_size() + self.values.shape[-1] * self.values.element_size())
-
-    def dense_shape(self) -> tuple[int, int, int, int] | None:
-        """`(batch, kv_heads, n, head_dim)` of a dense layer holding as many entries (a ragged layer: its
-        mean row length, rounded up); None before the first update."""
-        if self.is_ragged:
-            s = self.storage
-            return s.batch, s.kv_heads, -(-s.stored // (s.batch * s.kv_heads)), s.head_dim
-        if self.keys is None:
-            return None
-        b, h, _, d = self.keys.shape
-        return b, h, self.stored, d
-
-    def ideal_bytes(self) -> int:
-        """`sum(lengths) × head_dim × 2 × element size`: the bytes of exactly the stored entries."""
-        if self.is_ragged:
-            return self.storage.ideal_bytes()
-        held = sum(t.numel() * t.element_size() for t in self.kv_tensors())
-        return held - (self.entry_bytes() if self.free_slots is not None else 0)  # one free slot per row
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.stored + query_length, self.seen - self.stored
+    def _check_may_go_ragged(self) -> None:
+        owner = self.owner
+        check(owner is None or owner.kvtrim_attention,
+              f"{type(self.method).__name__} keeps different numbers of entries per head, which needs "
+              "kvtrim's attention function: call kvtrim.enable(model) or load the model with "
+              "kvtrim.load_model() (no kvtrim attention has run on this cache yet)")
 
     # ---- operations that do not survive eviction ---------------------------------------------
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise KvtrimError("a TrimCache cannot be cropped (evicted entries cannot be restored)")
-
     def reset(self) -> None:
-        super().reset()
-        self.positions = self.storage = self._ragged_step = self.free_slots = None
-        self._slot_order = self._step_in_place = False
-        self.counted_positions = True
-        self.seen = self.peak = self.evictions = 0
-        self.prompt_tokens = None
-        self.state = self.method.new_state(self.layer_idx)
-        self._prompt_queries = self._scoring = self.seq = None
         self.cancel_attention()
-
-    def _map_batch(self, fn, rows) -> None:
-        """Apply the batch operation `fn` to every tensor; a ragged layer's storage takes `rows()` instead,
-        the 1-D indices of the sequences it keeps (in order)."""
-        if not self.is_initialized:
-            return
-        if self.is_ragged:
-            self.storage.select_batch(rows())
-        else:
-            self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
-            if self.free_slots is not None:  # `(batch, kv_heads)`: follows its sequence
-                self.free_slots = fn(self.free_slots)
-        if self.seq is not None:  # a padded batch: per-sequence state follows its sequence
-            picked = rows().tolist()
-            self.seq = self.seq.select(picked)
-            if self._prompt_queries is not None:
-                self._prompt_queries = [self._prompt_queries[i] for i in picked]
-            return
-        self.state = _map_tensors(self.state, fn)
-        if self._prompt_queries is not None:
-            self._prompt_queries = fn(self._prompt_queries)
-
-    def _batch_rows(self) -> torch.Tensor:
-        b = self.storage.batch if self.is_ragged else self.keys.shape[0]
-        return torch.arange(b, device=self.device)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), lambda: beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0),
-                        lambda: self._batch_rows().repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices, ...], lambda: self._batch_rows()[indices])
-
-    def copy(self, owner: TrimCache | None = None) -> TrimLayer:
-        """An independent copy (tensors cloned, state deep-copied) belonging to `owner`."""
-        check(not self._awaiting_attention, "cannot copy a cache layer in the middle of a forward")
-        new = copy.copy(self)
-        new._owner = None if owner is None else weakref.ref(owner)
-        for name in ("keys", "values", "positions", "_prompt_queries", "storage", "free_slots"):
-            value = getattr(self, name)
-            setattr(new, name, None if value is None else list(value) if isinstance(value, list) else value.clone())
-        new._ragged_step = None
-        new.state = copy.deepcopy(self.state)
-        new.seq = copy.deepcopy(self.seq)
-        return new
-
+        self.__init__(self.method, self.layer_idx, self.owner, self.in_place_decode)
 
 @dataclass
 class CacheStats:
@@ -1090,16 +671,14 @@ class TrimCache(Cache):
                 peak.append(layer.peak)
                 seen = max(seen, layer.seen)
                 b, h = rows.shape
-                head_dim = layer.storage.head_dim if layer.is_ragged else layer.keys.shape[-1]
+                head_dim = layer.kv.head_dim
                 element = layer.kv_tensors()[0].element_size()
                 # a padded batch: the real tokens of each sequence (a full cache never stores the pads)
                 tokens = sum(layer.seq.seen) if layer.per_sequence else b * layer.seen
                 bytes_full += tokens * h * head_dim * 2 * element
                 if layer.is_ragged:
                     ragged.append(idx)
-                    bookkeeping += layer.storage.bookkeeping_bytes()
-                else:
-                    bookkeeping += _nbytes(layer.positions)
+                bookkeeping += layer.kv.bookkeeping_bytes()
                 bookkeeping += sum(_nbytes(t) for t in _tensors(layer.state))
                 if layer.per_sequence:
                     bookkeeping += sum(_nbytes(t) for t in _tensors(layer.seq.states))

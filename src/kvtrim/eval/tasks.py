@@ -6,6 +6,9 @@ Tasks:
 * `passkey` (5 digits) and `passkey_64` (64 digits), filler haystack, needle at a controlled depth;
 * `niah`: one needle (RULER's niah_single_2 format, synthetic prose haystack) at a controlled depth,
   for the depth x length heat map;
+* `--haystack essay` (`kvtrim.eval.essays`): Paul Graham's essays, as RULER, for the tasks whose RULER
+  haystack is the essays (niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery), `niah` and
+  the passkeys; the tasks on noise or needle haystacks keep theirs, as in RULER;
 * `pydoc_needle` (`kvtrim.eval.pydoc_needle`): one fact planted in real prose, the Python language
   reference of the standard library's `pydoc_data`, asked after the context;
 * reasoning tasks (`kvtrim.eval.reasoning`): `arith_trace`, `arith_recall`, `program_trace`, `var_trace`,
@@ -29,7 +32,8 @@ from kvtrim.eval.passkey import PASSKEY_TASKS, passkey_eval_sample, passkey_max_
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.pydoc_needle import PYDOC_MAX_NEW_TOKENS, pydoc_needle_sample
 from kvtrim.eval.reasoning import REASONING_TASKS, reasoning_sample
-from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, ruler_sample, units_hint
+from kvtrim.eval.essays import words_hint
+from kvtrim.eval.ruler import NIAH_TASKS, RULER_TASKS, ruler_sample, units_hint, uses_essay
 from kvtrim.eval.sample import Sample
 from kvtrim.methods.base import KvtrimError, check
 
@@ -58,23 +62,34 @@ def max_new_tokens(task: str) -> int:
     return ruler_sample(task, "probe", random.Random(0), 4, 4096).max_new_tokens
 
 
-def _builder(task: str, length: int, seed: int, depth: float | None):
-    """`make(index, units) -> Sample` for one (task, length, depth) cell; deterministic in its arguments."""
+def takes_haystack(task: str, haystack: str) -> bool:
+    """Whether `task` uses `--haystack haystack` (the essays: RULER's essay tasks, niah, passkey*)."""
+    if haystack == "synthetic":
+        return True
+    return task in PASSKEY_TASKS or uses_essay("niah_single_2" if task == "niah" else task, haystack)
+
+
+def _builder(task: str, length: int, seed: int, depth: float | None, haystack: str = "synthetic"):
+    """`make(index, units) -> Sample` for one (task, length, depth) cell; deterministic in its arguments.
+    A sample on the essay haystack has `/essay` in its id (its rows never mix with the synthetic ones')."""
     tag = "" if depth is None else f"/d{round(depth * 100)}"
+    essay = haystack == "essay" and takes_haystack(task, haystack)
+    tag += "/essay" if essay else ""
 
     def make(index: int, units: int) -> Sample:
         sample_id = f"{task}/L{length}{tag}/s{seed}/{index}"
         rng = random.Random(f"{sample_id}")
         if task in PASSKEY_TASKS:
             key = random_key(rng, PASSKEY_TASKS[task])
-            return passkey_eval_sample(task, sample_id, key, depth, units, length)
+            return passkey_eval_sample(task, sample_id, key, depth, units, length, haystack if essay else "synthetic")
         if task == "niah":
-            s = ruler_sample("niah_single_2", sample_id, rng, units, length, haystack_seed=seed, depth=depth)
+            s = ruler_sample("niah_single_2", sample_id, rng, units, length, haystack_seed=seed, depth=depth,
+                             haystack=haystack)
             s.task, s.max_new_tokens, s.depth = "niah", NIAH_MAX_NEW_TOKENS, depth
             return s
         if task == "pydoc_needle":
             return pydoc_needle_sample(sample_id, rng, units, length)
-        return ruler_sample(task, sample_id, rng, units, length, haystack_seed=seed)
+        return ruler_sample(task, sample_id, rng, units, length, haystack_seed=seed, haystack=haystack)
 
     return make
 
@@ -113,8 +128,11 @@ def reasoning_samples(task: str, fmt: PromptFormat, length: int, n: int, seed: i
 
 def generate_samples(
     task: str, fmt: PromptFormat, length: int, n: int, seed: int = 0, depths: tuple[float, ...] | None = None,
+    haystack: str = "synthetic",
 ) -> list[Sample]:
-    """`n` samples of `task` at `length` tokens (per depth for depth tasks), deterministic under `seed`."""
+    """`n` samples of `task` at `length` tokens (per depth for depth tasks), deterministic under `seed`.
+    `haystack="essay"`: Paul Graham's essays for the tasks that take it (`takes_haystack`), the others
+    unchanged."""
     check_tasks([task])
     check(n >= 1, f"--samples must be >= 1, got {n}")
     if task in REASONING_TASKS:
@@ -123,13 +141,13 @@ def generate_samples(
     cells = list(depths or DEFAULT_DEPTHS) if task in DEPTH_TASKS else [None]
     samples: list[Sample] = []
     for depth in cells:
-        make = _builder(task, length, seed, depth)
+        make = _builder(task, length, seed, depth, haystack)
         if task in PASSKEY_TASKS:
-            start = 8
+            start = words_hint(length) if haystack == "essay" else 8
         elif task == "pydoc_needle":
             start = max(2, length // 12)  # about 12 tokens a line
         else:
-            start = units_hint("niah_single_2" if task == "niah" else task, length)
+            start = units_hint("niah_single_2" if task == "niah" else task, length, haystack)
         try:
             units = largest_fitting(lambda u: make(0, u), fmt.count, budget, start=start)
         except KvtrimError as err:
@@ -138,5 +156,5 @@ def generate_samples(
     return samples
 
 
-__all__ = ["DEFAULT_DEPTHS", "DEPTH_TASKS", "NIAH_TASKS", "REAL_TEXT_TASKS", "REASONING_TASKS", "TASKS", "check_tasks",
+__all__ = ["DEFAULT_DEPTHS", "takes_haystack", "DEPTH_TASKS", "NIAH_TASKS", "REAL_TEXT_TASKS", "REASONING_TASKS", "TASKS", "check_tasks",
            "generate_samples", "reasoning_samples"]

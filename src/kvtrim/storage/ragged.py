@@ -30,10 +30,10 @@ move every later row to append one entry to a row; the slot pool appends in O(ne
 slots is bookkeeping: 4 bytes of slot id + 8 bytes of position per entry (vs 256 bytes of K+V per entry for
 head_dim 64 in bf16), reported by `bookkeeping_bytes()` and not counted in the KV bound.
 
-Integration with `TrimLayer` / `TrimCache`. Done (`kvtrim.cache`): two representations per layer;
-`TrimLayer` keeps today's dense tensors while every row holds the same number of entries, and switches
-that layer alone to `RaggedKV.from_dense(keys, values, positions, valid=kept)` when a method keeps
-unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
+Integration with `TrimLayer` / `TrimCache`. Done: one of the layouts behind `kvtrim.storage.LayerStorage`;
+a layer stays dense (`kvtrim.storage.dense`) while every row holds the same number of entries, and
+`kvtrim.storage.switch.evict` moves that layer alone to `RaggedKV.from_dense(keys, values, positions,
+valid=kept)` when a method keeps unequal counts (AdaKV): layers may differ, because a ragged layer's `get_mask_sizes` keeps the dense
 formula with its longest row, dense layers refit the shared mask (`kvtrim.attention.fit_mask`) and
 ragged layers ignore it (kvtrim's attention calls `ragged_attention` on the step's padded view). A layer
 only turns ragged on a cache kvtrim's attention has run on. Attend, then evict: the step's padded view is
@@ -41,7 +41,7 @@ taken before any eviction decided in `update`, and the flash path reads the stor
 ends with the step's entries. Methods see the padded view (`LayerView.valid`). AdaKV (`kvtrim.methods.adakv`)
 decides once, on a dense layer, with a keep mask.
 
-Padded batches (done, `kvtrim.cache`): kvtrim's mask builders (registered through `AttentionMaskInterface`:
+Padded batches (done, `kvtrim.cache` and `kvtrim.padded_batch`): kvtrim's mask builders (registered through `AttentionMaskInterface`:
 the stock builders after a record of the forward's 2D padding mask) tell `TrimCache.update`, which runs
 after the mask is built and before attention, which of the step's tokens are pads (the mask's last q
 columns); a layer whose first forward has pads is ragged from the start and stores only real tokens
@@ -50,7 +50,7 @@ from the mask); `seen` stays the global column count (what `get_seq_length` and 
 the layer counts each sequence's real tokens for budgets. Ragged layers ignore the model's mask (kvtrim's
 attention masks by positions; pad queries see nothing), so `get_mask_sizes` keeps the dense formula.
 Scoring: the reference path, not the vectorised one the plan sketched. The method runs once per sequence
-on a batch-1 view of that sequence's entries (`TrimLayer.sequence_view`, dense when its heads hold equal
+on a batch-1 view of that sequence's entries (`PaddedBatch.view`, dense when its heads hold equal
 counts), with its own state, token counts and queries of its real tokens; each keep is mapped into one
 keep mask over the padded view. Every method gets it through the contract, with no code of its own.
 Still a plan:
@@ -65,75 +65,10 @@ Still a plan:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvtrim.methods.base import check
-
-
-@dataclass(frozen=True)
-class PaddedView:
-    """A transient, read-only dense picture of ragged storage (built by `RaggedKV.padded()`).
-
-    Attributes:
-        keys, values: `(batch, kv_heads, width, head_dim)`; entries past a row's length hold finite filler.
-        positions: `(batch, kv_heads, width)` int64, ascending within each row's valid part, -1 past it.
-        valid: `(batch, kv_heads, width)` bool, True for the row's stored entries (`j < lengths[b, h]`).
-        lengths: `(batch, kv_heads)` int64.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-    lengths: torch.Tensor
-
-    @property
-    def width(self) -> int:
-        return self.keys.shape[2]
-
-
-def row_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """`(batch, kv_heads, width)` bool: True at the first `lengths[b, h]` entries of each row."""
-    return torch.arange(width, device=lengths.device) < lengths[..., None]
-
-
-def keep_mask(keep: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Normalise a keep argument to a bool mask `(batch, kv_heads, width)` over the padded view.
-
-    `keep`: a bool mask `(batch, kv_heads, width)`, or view indices `(batch, kv_heads, k)` (int), where
-    negative entries mean "no entry" (rows that keep fewer than k). Raises `KvtrimError` when an index is
-    out of range or a padding entry (`j >= lengths[b, h]`) is kept.
-    """
-    b, h = lengths.shape
-    if keep.dtype == torch.bool:
-        check(tuple(keep.shape) == (b, h, width), f"keep mask must be {(b, h, width)}, got {tuple(keep.shape)}")
-        mask = keep
-    else:
-        check(not keep.is_floating_point() and keep.ndim == 3 and tuple(keep.shape[:2]) == (b, h),
-              f"kept indices must be an integer tensor ({b}, {h}, k), got {keep.dtype} {tuple(keep.shape)}")
-        check(keep.numel() == 0 or int(keep.max()) < width,
-              f"kept index out of range for a view of width {width}")
-        idx = torch.where(keep < 0, width, keep).long()
-        mask = torch.zeros(b, h, width + 1, dtype=torch.bool, device=keep.device)
-        mask.scatter_(2, idx, True)
-        mask = mask[..., :width]
-    check(not bool((mask & ~row_mask(lengths, width)).any()), "keep selects a padding entry (past a row's length)")
-    return mask
-
-
-def compact(x: torch.Tensor, keep: torch.Tensor, fill=0) -> torch.Tensor:
-    """Move the kept entries of each row to its front, in order: `(b, h, W, ...)` -> `(b, h, W', ...)`.
-
-    `keep`: bool `(b, h, W)`; `W' = max kept per row`; positions past a row's kept count get `fill`.
-    The rule the slot table follows on eviction; methods use it for per-entry state aligned with the view.
-    """
-    counts = keep.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
-    out = torch.full((*x.shape[:2], width, *x.shape[3:]), fill, dtype=x.dtype, device=x.device)
-    out[row_mask(counts, width)] = x[keep]
-    return out
+from kvtrim.storage.base import Keep, PaddedView, compact, keep_mask, row_mask
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -144,11 +79,14 @@ class RaggedKV:
     """Keys, values and positions of one layer, `(batch, kv_heads)` rows of their own lengths.
 
     Build with `RaggedKV.from_dense(...)` or `RaggedKV.empty(...)`; see the module docstring for the layout.
+    Implements `kvtrim.storage.LayerStorage` (`view()` is the padded view, `rect()` None).
 
     Args (keyword, both constructors):
         max_waste: largest allowed fraction of free slots (`capacity <= (1 + max_waste) * stored`).
         growth: headroom added when the pool grows, as a fraction of the stored entries (`< max_waste`).
     """
+
+    ragged = True
 
     def __init__(self, *, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  max_waste: float = 0.02, growth: float = 0.01):
@@ -242,6 +180,17 @@ class RaggedKV:
         """`stored × head_dim × 2 × element size`: what a perfectly packed cache would hold."""
         return self._stored * self.head_dim * 2 * self.keys_pool.element_size()
 
+    def entry_bytes(self) -> int:
+        """Bytes of one token of every row: its key and value."""
+        return self.batch * self.kv_heads * self.head_dim * 2 * self.dtype.itemsize
+
+    def dense_shape(self) -> tuple[int, int, int, int]:
+        """`(batch, kv_heads, n, head_dim)` of a dense layer holding as many entries (n: the mean row, rounded up)."""
+        return self.batch, self.kv_heads, -(-self.stored // (self.batch * self.kv_heads)), self.head_dim
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [self.keys_pool, self.values_pool]
+
     def bookkeeping_bytes(self) -> int:
         """Bytes of the slot table, positions, lengths and free list (not counted in the KV bound)."""
         return sum(_nbytes(t) for t in (self._slots, self._positions, self.lengths, self._free))
@@ -316,12 +265,15 @@ class RaggedKV:
         self._packed = was_empty or (self._packed and m == 0)
 
     # ---- evict -------------------------------------------------------------------------------------
-    def evict(self, keep: torch.Tensor) -> None:
+    def evict(self, keep: torch.Tensor | Keep) -> None:
         """Keep only `keep` of each row: a bool mask `(batch, kv_heads, width)` over the padded view, or
-        view indices `(batch, kv_heads, k)` sorted ascending, with -1 for "no entry" in rows keeping fewer.
+        view indices `(batch, kv_heads, k)` sorted ascending, with -1 for "no entry" in rows keeping fewer
+        (or a `Keep`, which holds such indices).
         Freed slots join the free list; the survivors are compacted (one copy) only when free slots would
         exceed `max_waste` of the stored entries.
         """
+        if isinstance(keep, Keep):
+            keep = keep.indices
         w = self._width
         uniform = (keep.dtype != torch.bool and not keep.is_floating_point() and keep.ndim == 3
                    and tuple(keep.shape[:2]) == tuple(self.lengths.shape) and keep.numel() > 0 and int(keep.min()) >= 0)
@@ -359,6 +311,19 @@ class RaggedKV:
         self._packed = False
 
     # ---- views -------------------------------------------------------------------------------------
+    def rect(self) -> None:
+        """No rectangle: rows differ (the padded view is `padded()`)."""
+        return None
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded view's `(keys, values, positions, valid)` (one gather; see `padded`)."""
+        v = self.padded()
+        return v.keys, v.values, v.positions, v.valid
+
+    def kept_positions(self) -> torch.Tensor:
+        """`(batch, kv_heads, width)` positions, ascending per row, -1 past a row's length (a copy)."""
+        return self.positions.clone()
+
     def padded(self) -> PaddedView:
         """The transient padded view `(batch, kv_heads, width, head_dim)` + positions + validity.
 
@@ -487,4 +452,3 @@ class RaggedKV:
             self.values_pool = self.values_pool[: self._stored].clone()
 
 
-__all__ = ["PaddedView", "RaggedKV", "compact", "keep_mask", "row_mask"]
