@@ -62,7 +62,8 @@ def test_full_is_plain_vllm(server, plain, prompts):
     assert "kvtrim: request" not in server.tail(400)  # full compacts nothing
 
 
-@pytest.mark.parametrize("spec", ["nope", "lagkv", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5"])
+@pytest.mark.parametrize("spec", ["nope", "lagkv", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5",
+                                  ["lagkv"]])
 def test_bad_spec_is_400_and_the_server_goes_on(server, spec):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id

@@ -37,6 +37,7 @@ def test_refused_in_one_line(text, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_not_a_string():
+@pytest.mark.parametrize("value", [3, ["lagkv"], None])
+def test_not_a_string(value):  # vllm_xargs values may be numbers or lists
     with pytest.raises(KvtrimError, match="spec string"):
-        method_for_vllm(3)
+        method_for_vllm(value)

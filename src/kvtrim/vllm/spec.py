@@ -45,14 +45,18 @@ def refusal(method: EvictionMethod) -> str | None:
     return None
 
 
-@lru_cache(maxsize=256)
 def method_for_vllm(text: str) -> EvictionMethod | None:
-    """The method of spec `text` as the engine runs it (None for `full`), or a one-line `KvtrimError`.
-
-    Methods are stateless between requests here (each request gets fresh per-layer state from a
-    `TrimCache`), so one object per spec text is shared."""
+    """The method of spec `text` as the engine runs it (None for `full`), or a one-line `KvtrimError`
+    (whatever a request sends: `vllm_xargs` values may also be numbers or lists)."""
     if not isinstance(text, str):
         raise KvtrimError(f"the kvtrim method must be a spec string such as 'lagkv:compression_ratio=0.5', got {text!r}")
+    return _method(text)
+
+
+@lru_cache(maxsize=256)
+def _method(text: str) -> EvictionMethod | None:
+    """Methods are stateless between requests here (each request gets fresh per-layer state from a
+    `TrimCache`), so one object per spec text is shared."""
     spec = parse_method_spec(text)
     if spec.is_full:
         return None
