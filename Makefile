@@ -4,7 +4,13 @@
 #                 core dependencies, outside the repository), then the test suite (unit tests on tiny
 #                 random models + integration tests on the real model), without the tests marked `slow`
 #   make test-slow - only the tests marked `slow` (minutes on 2 CPU threads; not part of CI)
-.PHONY: setup demo test test-fast test-slow
+#   make serve-env - the serving environment .venv-serve (vLLM's CPU build + kvtrim's plugin; scripts/serve_env.sh)
+#   make serve     - `kvtrim serve` on SmolLM2 with KeyDiff at half the prompt (OpenAI API on 127.0.0.1:8000)
+# `make test` also builds .venv-serve and runs the plugin's tests there (tests/test_vllm_*.py: vLLM pulls an
+# older transformers than kvtrim's core needs, so they run in their own environment).
+.PHONY: setup demo test test-fast test-slow serve-env serve
+
+VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_server.py
 
 setup:
 	./scripts/bootstrap.sh
@@ -12,9 +18,17 @@ setup:
 demo: setup
 	.venv/bin/kvtrim eval --preset quick
 
-test: setup
+test: setup serve-env
 	./scripts/check_wheel.sh
 	.venv/bin/python -m pytest -q -m "not slow"
+	.venv-serve/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
+serve-env:
+	./scripts/serve_env.sh
+
+serve: serve-env
+	.venv-serve/bin/kvtrim serve --model smollm2-135m --method keydiff:compression_ratio=0.5 \
+		--dtype bfloat16 --enforce-eager --gpu-memory-utilization 0.25
 
 test-slow: setup
 	.venv/bin/python -m pytest -q -m slow --durations=0

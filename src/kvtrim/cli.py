@@ -25,7 +25,7 @@ from kvtrim.methods.base import KvtrimError
 
 # subcommands living in their own modules: each module defines `add_parser(subparsers)`
 # whose parser sets `func`; a missing module simply means the subcommand is not built yet
-PLUGIN_COMMANDS = ("kvtrim.eval.cli", "kvtrim.bench.cli")
+PLUGIN_COMMANDS = ("kvtrim.eval.cli", "kvtrim.bench.cli", "kvtrim.vllm.cli")
 ENTRY_POINT_GROUP = "kvtrim.methods"
 
 
@@ -284,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # `kvtrim serve` hands the flags it does not know to vLLM unchanged; every other command refuses them
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args, "passes_unknown", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.unknown_args = unknown
     except SystemExit as done:  # --help, or a usage error already printed as one line
         return done.code if isinstance(done.code, int) else 2
     previous = _interrupt_on_sigterm()

