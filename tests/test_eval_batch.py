@@ -28,7 +28,7 @@ SPECS = {
     "lagkv": "lagkv:sink_size=4:lag_size=16", "keydiff": "keydiff:block_size=32", "snapkv": "snapkv:window=8",
     "lazyeviction": "lazyeviction:window=4", "adakv": "adakv:method=snapkv:window=8",
 }
-HOW = ("seconds", "prefill_reused", "batch_size")  # how a row was computed, not what it holds
+HOW = ("seconds", "prefill_reused", "batch_size", "kvzip_scores_shared", "context_group")  # how a row was computed, not what it holds
 WORDS = "the grass is green and the sky is blue here we go again".split()
 
 

@@ -32,7 +32,7 @@ def test_approx_params_of_smollm2_is_close_to_its_count():
 
 
 def test_estimate_counts_what_the_runner_runs():
-    samples = [Sample(id=f"s{i}", task="t", context="c", question="q", answers=["a"], max_new_tokens=10) for i in range(2)]
+    samples = [Sample(id=f"s{i}", task="t", context=f"c{i}", question="q", answers=["a"], max_new_tokens=10) for i in range(2)]
     jobs = plan(samples, parse_method_specs(["full", "streaming", "snapkv", "kvzip"]), [0.5, 0.75])
     assert len(jobs) == 2 * (1 + 3 * 2)
     encoded = {"s0": (1000, 20), "s1": (500, 20)}
@@ -48,6 +48,20 @@ def test_estimate_counts_what_the_runner_runs():
     assert est.seconds_min == pytest.approx(2 * (base + 42 * 0.1))
     assert est.seconds_max == pytest.approx(2 * (base + 140 * 0.1))
     assert "ESTIMATED" in est.line() and "14 runs" in est.line()
+    # two samples of one context: compressed once per cell, each question fed and answered
+    for sample in samples:
+        sample.context = "same"
+    one = estimate(jobs, {"s0": (1000, 20), "s1": (1000, 30)}, lambda job, n: job.spec.build(n, job.compression_ratio),
+                   lambda m: not m.scoring_passes, lambda ms: True, lambda s: 2, lambda s: 10, params=100, rates=rates)
+    assert one.prefill_tokens == 1000 + 2 * 1000 and one.decode_max == 140
+    # KVzip's scores shared across its two ratios: scored once per context
+    from kvtrim.eval.kvzip_reuse import scoring_key
+
+    est2 = estimate(jobs, {"s0": (1000, 20), "s1": (1000, 30)}, lambda job, n: job.spec.build(n, job.compression_ratio),
+                    lambda m: not m.scoring_passes, lambda ms: True, lambda s: 2, lambda s: 10, params=100,
+                    rates=rates, scoring_key=scoring_key)
+    assert est2.prefill_tokens == 1000 + 1000
+    assert one.seconds_max == pytest.approx((1000 + 7 * 20 + 7 * 30) * 0.001 + 2000 * 0.01 + 140 * 0.1)
 
 
 @pytest.fixture

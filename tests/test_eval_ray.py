@@ -26,7 +26,7 @@ from kvtrim.eval.tasks import generate_samples  # noqa: E402
 from kvtrim.methods.base import KvtrimError  # noqa: E402
 from kvtrim.specs import parse_method_specs  # noqa: E402
 
-TIMING = ("seconds", "prefill_reused")  # how a row was computed, not what it holds
+TIMING = ("seconds", "prefill_reused", "kvzip_scores_shared", "context_group")  # how a row was computed, not what it holds
 SETTINGS = RunSettings(model="tiny", max_new_tokens=4, stop_when_answered=False)
 
 

@@ -21,7 +21,7 @@ from kvtrim.methods.base import KvtrimError
 ARGS = ["eval", "--tasks", "niah_single_1,passkey", "--lengths", "300", "--samples", "1", "--depths", "0.5",
         "--methods", "full,streaming", "--compression-ratios", "0.5,0.75", "--max-new-tokens", "4", "--full-answers",
         "--no-plots", "--quiet"]
-TIMING = ("seconds", "prefill_reused")  # how a row was computed, not what it holds
+TIMING = ("seconds", "prefill_reused", "kvzip_scores_shared", "context_group")  # how a row was computed, not what it holds
 
 
 @pytest.fixture(scope="module")

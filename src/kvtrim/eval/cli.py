@@ -46,6 +46,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", type=names, help=f"tasks: {', '.join(TASKS)}")
     src.add_argument("--task-file", help="JSONL file of samples (context, question, answers, max_new_tokens, ...)")
+    src.add_argument("--dataset", metavar="PATH",
+                     help="a dataset on disk in kvpress's format (columns context, question, answer_prefix, answer, "
+                          "max_new_tokens, task): a .parquet or .jsonl file, a folder of parquet files or a "
+                          "save_to_disk folder; scored by each task's official metric (RULER, LongBench); rows "
+                          "sharing a context are compressed once. --samples N keeps the first N rows per task")
+    p.add_argument("--split", help="--dataset: the split of a save_to_disk DatasetDict, or the prefix of a folder's "
+                                   "parquet files (test -> test-00000-of-00001.parquet)")
+    p.add_argument("--columns", help="--dataset: FIELD=COLUMN where the file's names differ, e.g. "
+                                     "context=input,answer=answers (fields: context, question, answer_prefix, answer, "
+                                     "max_new_tokens, task, id, all_classes)")
+    p.add_argument("--metric", help="--dataset: score every row by this metric instead of its task's official one")
     p.add_argument("--haystack", choices=["synthetic", "essay"],
                    help="haystack of the tasks that take one: synthetic (default: generated prose / RULER's noise "
                         "filler) or essay (Paul Graham's essays, as RULER's niah tasks and the LagKV paper's "
@@ -113,7 +124,7 @@ def _resolve(args) -> dict:
         skip = set(preset.get("exclude", []))
         cfg["methods"] = [name + (":" + extra[name] if name in extra else "") for name in METHODS
                           if name not in skip and not getattr(METHODS[name], "wraps", None)]  # wrappers need method=
-    if cfg["tasks"] is None and not args.task_file:
+    if cfg["tasks"] is None and not args.task_file and not args.dataset:
         cfg["tasks"] = ["niah_single_1", "niah_single_2", "vt", "passkey"]
     cfg["out"] = args.out or os.path.join("runs", "eval", args.preset or "custom")
     return cfg
@@ -145,6 +156,8 @@ def _validate(cfg: dict, args) -> None:
     if cfg["max_new_tokens"] is not None:
         check(cfg["max_new_tokens"] >= 1, f"--max-new-tokens must be >= 1, got {cfg['max_new_tokens']}")
     check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
+    for flag in ("split", "columns", "metric"):
+        check(getattr(args, flag) is None or args.dataset, f"--{flag} is for --dataset")
     if args.prefill_chunk_size is not None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
@@ -284,10 +297,14 @@ def _estimate(jobs, out: str, settings, tok, config) -> str:
     def answer_tokens(sample) -> int:
         return max(len(tok(a, add_special_tokens=False).input_ids) for a in sample.answers)
 
+    from kvtrim.eval.kvzip_reuse import scoring_key
+
+    shares_scores = settings.reuse_prefill and settings.prefill_chunk_size is None  # as Runner._kvzip_contexts
     if not pending:
         return f"all {len(jobs)} runs are already in {out}/results.jsonl"
     found = estimate(pending, encoded, build, reusable, shares, answer_tokens,
-                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config))
+                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config),
+                     scoring_key=scoring_key if shares_scores else (lambda method: None))
     return found.line()
 
 
@@ -312,6 +329,11 @@ def cmd_eval(args) -> int:
     from kvtrim.models import context_limit, load_tokenizer_and_config
 
     from_file = read_task_file(args.task_file) if args.task_file else None  # its rows checked before loading
+    if args.dataset:
+        from kvtrim.eval.dataset_files import parse_columns, read_dataset
+
+        from_file = read_dataset(args.dataset, args.split, parse_columns(args.columns), cfg["max_new_tokens"],
+                                 args.metric, per_task=args.samples)
     tok, config = load_tokenizer_and_config(cfg["model"])
     for spec in cfg["specs"]:
         spec.check_config(config)

@@ -4,11 +4,11 @@ The estimate is derived from the sizes of the pending runs (tokens prefilled, to
 compression, decode steps) and rates measured once on this project's machine
 (`benchmarks/eval_estimate/rates.json`, made by `benchmarks/eval_estimate/measure.py`: SmolLM2-135M,
 float32, one torch thread, CPU, a 2k-token prompt), scaled by the model's parameter count (a forward
-costs about its parameters' worth of work per token). Per pending sample: one shared prefill when two
-or more of its runs replay it (as `Runner` does); per run: its own prefill unless it replays the shared
-one, KVzip's compression (prefill + reconstruction passes) at its own measured rate, the question, and
+costs about its parameters' worth of work per token). Per pending context (samples that share one are
+compressed once per method and setting, as `Runner` does): one shared prefill when two or more of its
+methods replay it; per method and setting: its own prefill unless it replays the shared one, KVzip's compression (prefill + reconstruction passes) at its own measured rate, the question, and
 between `min_steps` (every answer right and stopped as soon as it is complete) and `max_steps` (every
-answer running to its token cap) decode steps.
+answer running to its token cap) decode steps; per run: its question.
 
 What it ignores: attention's quadratic cost (an underestimate beyond a few thousand tokens), other
 machines, threads, dtypes and devices (a GPU is far faster), batching, Ray, and a machine shared with
@@ -64,36 +64,46 @@ def approx_params(config) -> int:
 
 
 def estimate(jobs, encoded: dict[str, tuple[int, int]], build, reusable, shares, answer_tokens, budget,
-             params: int, rates: dict = REFERENCE) -> Estimate:
+             params: int, rates: dict = REFERENCE, scoring_key=lambda method: None) -> Estimate:
     """The estimate for `jobs` (pending `Job`s).
 
     encoded: sample id -> (compressed tokens n, tokens fed after m). build(job, n) -> method, or None when
     it cannot be configured (the run is skipped: free). reusable(method) -> replays a shared prefill.
     shares(methods) -> whether a sample's methods get a shared prefill. answer_tokens(sample) -> tokens of
-    its longest reference; budget(sample) -> its token cap."""
+    its longest reference; budget(sample) -> its token cap. scoring_key(method) -> what KVzip's scores depend on
+    (`kvtrim.eval.kvzip_reuse.scoring_key`; None: every run scores on its own)."""
     scale = params / rates["params"]
-    by_sample: dict[str, list] = {}
+    by_context: dict[str, list] = {}  # samples sharing a context are compressed once per cell
     for job in jobs:
-        by_sample.setdefault(job.sample.id, []).append(job)
+        by_context.setdefault(job.sample.context, []).append(job)
     prefill = kvzip = fed = dmin = dmax = 0
-    for sample_id, mine in by_sample.items():
-        n, m = encoded[sample_id]
-        methods = [(job, build(job, n)) for job in mine]
-        methods = [(job, method) for job, method in methods if method is not None]
+    for mine in by_context.values():
+        n = encoded[mine[0].sample.id][0]
+        cells: dict[tuple, list] = {}
+        for job in mine:
+            cells.setdefault((job.spec.label, job.compression_ratio, job.budget), []).append(job)
+        methods = [(cell, build(cell[0], n)) for cell in cells.values()]
+        methods = [(cell, method) for cell, method in methods if method is not None]
         shared = shares([method for _, method in methods])
         prefill += n if shared else 0
-        for job, method in methods:
+        # KVzip: one scoring per context and scoring configuration shared by two or more settings
+        keys = [scoring_key(method) for _, method in methods]
+        shared_keys = {k for k in keys if k is not None and keys.count(k) >= 2}
+        kvzip += n * len(shared_keys)
+        for (cell, method), key in zip(methods, keys):
             if getattr(method, "scoring_passes", False):
-                kvzip += n
+                if key not in shared_keys:
+                    kvzip += n
             elif not (shared and reusable(method)):
                 prefill += n
-            fed += m
-            cap = budget(job.sample)
-            dmin += min(cap, answer_tokens(job.sample) + 1)
-            dmax += cap
+            for job in cell:
+                fed += encoded[job.sample.id][1]
+                cap = budget(job.sample)
+                dmin += min(cap, answer_tokens(job.sample) + 1)
+                dmax += cap
     base = (prefill + fed) * rates["prefill_s_per_token"] + kvzip * rates["kvzip_s_per_token"]
     return Estimate(
-        runs=len(jobs), samples=len(by_sample), prefill_tokens=prefill + kvzip, decode_min=dmin, decode_max=dmax,
+        runs=len(jobs), samples=len({job.sample.id for job in jobs}), prefill_tokens=prefill + kvzip, decode_min=dmin, decode_max=dmax,
         seconds_min=scale * (base + dmin * rates["decode_step_s"]),
         seconds_max=scale * (base + dmax * rates["decode_step_s"]), scale=scale,
     )

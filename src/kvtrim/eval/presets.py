@@ -15,6 +15,12 @@
   ruler-16k). For a GPU: `--device cuda --dtype bfloat16`. Samples per task: 50 (4k) / 25 (16k), i.e.
   ~8-16k (method, ratio, sample) rows, a few GPU hours with a 0.5B model; kvpress and the paper use 500
   (`--samples 500`). Interrupted runs resume.
+* `qwen-rank` (issue 25's ranking run, prepared, not yet run): qwen2.5-coder-0.5b on RULER's essay niah
+  tasks (`--haystack essay`), niah_single_1, vt, fwe and cwe at 2048 tokens, 25 samples per task, full and
+  13 method specs (every method, KVzip at both levels, AdaKV around SnapKV / KeyDiff / KNorm) at 0.5 and
+  0.75, answers capped at 64 tokens, float32 (bf16 was faster on passkey prompts but is not yet checked on
+  these tasks). 225 samples x 27 runs = 6,075 rows; `kvtrim eval` prints its estimated cost before it
+  starts; not timed here (the model is not installed on this machine).
 * `reasoning`: decode-time eviction on a long answer that refers back (CPU, 2 cores): qwen2.5-coder-0.5b
   (the one offline model that solves a reasoning task with the full cache) on `list_recall` at 1024 tokens
   (≈ 560 prompt + ≈ 360 answer tokens: 32 lookups), one sample, at two absolute budgets below the
@@ -38,6 +44,11 @@ REASONING_WINDOW = 9
 #: the methods of the reasoning presets; LazyEviction twice: the measured window and the class default
 REASONING_METHODS = ["full", f"lazyeviction:window={REASONING_WINDOW}", "lazyeviction", "h2o", "tova", "streaming",
                      "lagkv:lag_size=64", "keydiff"]
+
+#: the ranking run of issue 25 (preset `qwen-rank`): every method at 0.5 / 0.75, AdaKV-wrapped scorers and
+#: KVzip's head level included
+RANK_METHODS = ["full", "lagkv:lag_size=64", "streaming", "keydiff", "snapkv", "h2o", "tova", "knorm", "kvzip",
+                "kvzip:level=head", "adakv:method=snapkv", "adakv:method=keydiff", "adakv:method=knorm"]
 
 PRESETS: dict[str, dict] = {
     "quick": {
@@ -78,6 +89,21 @@ PRESETS: dict[str, dict] = {
         "methods": None,
         "method_params": {"lagkv": "lag_size=128:sink_size=4"},
         "compression": "ratio",
+    },
+    "qwen-rank": {
+        "model": "qwen2.5-coder-0.5b",
+        # RULER's essay niah tasks on Paul Graham's essays, niah_single_1 (noise), vt, fwe, cwe
+        "tasks": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
+                  "niah_multiquery", "vt", "fwe", "cwe"],
+        "haystack": "essay",
+        "lengths": [2048],
+        "samples": 25,
+        "ratios": [0.5, 0.75],
+        "methods": RANK_METHODS,
+        # RULER's caps are 128 (niah) / 120 (cwe): 64 holds every reference answer of these tasks at 2k
+        # (4 seven-digit values, 10 words) and bounds what a failing method rambles on a CPU
+        "max_new_tokens": 64,
+        "compression": "at-budget",
     },
     "reasoning": {
         "model": "qwen2.5-coder-0.5b",

@@ -43,7 +43,7 @@ from kvtrim.decoding import eos_ids, forward_last_logits, greedy_decode, greedy_
 from kvtrim.eval.jsonl import read_jsonl
 from kvtrim.eval.prompt import PromptFormat
 from kvtrim.eval.sample import Sample
-from kvtrim.eval.scoring import score_prediction
+from kvtrim.eval.scoring import LONGBENCH_METRICS, score_prediction
 from kvtrim.methods.base import EvictionMethod, KvtrimError, check, kept_count
 from kvtrim.methods.full import FullCache
 from kvtrim.prefill import padded_layout
@@ -238,8 +238,8 @@ class Runner:
 
     def _done(self, sample: Sample):
         """The stop-when-answered rule of `sample` (None with --full-answers)."""
-        if not self.settings.stop_when_answered:
-            return None
+        if not self.settings.stop_when_answered or sample.metric in LONGBENCH_METRICS:
+            return None  # LongBench's scores can fall as text is appended: decode to the end
         return lambda t: score_prediction(  # noqa: E731
             sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
 
@@ -249,7 +249,8 @@ class Runner:
         row.update(
             prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
             stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
-            **score_prediction(sample.metric, prediction, sample.answers),
+            **score_prediction(sample.metric, prediction, sample.answers, sample.meta.get("all_classes"),
+                               bool(sample.meta.get("first_line"))),
             achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
             # a decode forward holds the entries before it plus its token until its eviction
             peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
@@ -260,9 +261,19 @@ class Runner:
         )
         return row
 
+    def _compress(self, method: EvictionMethod, compressed: torch.Tensor,
+                  shared: CompressedContext | None) -> tuple[CompressedContext, bool]:
+        """`compressed` in `method`'s cache: replayed from `shared` where exact, else prefilled; and
+        whether it was replayed."""
+        reused = shared is not None and self._can_reuse(method, shared)
+        if reused:
+            return shared.recompress(method), True
+        return compress(self.model, compressed, method, chunk_size=self.settings.prefill_chunk_size or "auto",
+                        tokenizer=self.tokenizer), False
+
     def run_job(self, job: Job, compressed: torch.Tensor, after: torch.Tensor,
                 shared: CompressedContext | None) -> dict:
-        sample, n = job.sample, compressed.shape[-1]
+        n = compressed.shape[-1]
         row = self._row(job, n, after.shape[-1])
         try:
             method = self.build(job, n)
@@ -271,13 +282,14 @@ class Runner:
             return row
         row["method_config"] = method.describe()
         start = time.perf_counter()
-        reused = shared is not None and self._can_reuse(method, shared)
-        if reused:
-            ctx = shared.recompress(method)
-        else:
-            ctx = compress(self.model, compressed, method, chunk_size=self.settings.prefill_chunk_size or "auto",
-                           tokenizer=self.tokenizer)
-        cache, logits = ctx.cache, ctx.logits  # one question per compression: no copy needed
+        ctx, reused = self._compress(method, compressed, shared)
+        # one question per compression: its cache is used up, no copy needed
+        return self._answer(row, job.sample, ctx.cache, ctx.logits, after, reused, start)
+
+    def _answer(self, row: dict, sample: Sample, cache: TrimCache, logits: torch.Tensor, after: torch.Tensor,
+                reused: bool, start: float) -> dict:
+        """Feed the question `after` into `cache` (holding the compressed context, `logits` its last
+        token's), decode the answer greedily and finish `row`."""
         stats = RowStats.of(cache.stats())
         if after.shape[-1]:
             logits = forward_last_logits(self.model, after, cache)
@@ -385,21 +397,118 @@ class Runner:
 
         A unit is what `kvtrim eval --ray` sends to one worker (`kvtrim.eval.ray_sweep`)."""
         if len({job.sample.id for job in unit}) > 1:
-            yield from self.run_batched_unit(unit)
+            if self.settings.batch_size == 1:  # the samples share one context (`pending_units`)
+                yield from self.run_context_group(unit)
+            else:
+                yield from self.run_batched_unit(unit)
             return
         sample = unit[0].sample
         check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
         yield from self._run_sample(unit, *self.encode(sample))
 
+    def run_context_group(self, unit: list[Job]) -> Iterator[dict]:
+        """The jobs of several samples that share one context (kvpress's "compress once, ask many"): per
+        cell (method and setting), the context is compressed once, and every sample's question is fed
+        into its own copy of that cache (`TrimCache.copy`) and answered. Each row equals the one its
+        sample alone gives (the compressed cache and the last logits do not depend on the question).
+        Samples whose compressed tokens turn out to differ (a prompt format that puts something of the
+        question before the context) run one by one instead."""
+        samples = list({job.sample.id: job.sample for job in unit}.values())
+        for sample in samples:
+            check_sample_fits(self.fmt, sample, self.settings.max_new_tokens, self._limit)
+        encoded = {sample.id: self.encode(sample) for sample in samples}
+        first = encoded[samples[0].id][0]
+        if any(not torch.equal(encoded[s.id][0], first) for s in samples[1:]) or self.settings.query_aware:
+            for sample in samples:
+                yield from self._run_sample([job for job in unit if job.sample.id == sample.id], *encoded[sample.id])
+            return
+        n = first.shape[-1]
+        cells: dict[tuple, list[Job]] = {}
+        for job in unit:
+            cells.setdefault((job.spec.label, job.compression_ratio, job.budget), []).append(job)
+        representatives = [jobs[0] for jobs in cells.values()]
+        want, queries = self._wants_shared(representatives, n)
+        self._shared_queries = queries
+        shared = compress(self.model, first, FullCache(), None, queries) if want else None
+        prepared = self._kvzip_contexts(representatives, first, shared)
+        for jobs in cells.values():
+            rows = [self._row(job, n, encoded[job.sample.id][1].shape[-1]) for job in jobs]
+            try:
+                method = self.build(jobs[0], n)
+            except KvtrimError as err:
+                for row in rows:
+                    row.update(skipped=str(err))
+                    yield row
+                continue
+            self._show(jobs[0], len(jobs))
+            start = time.perf_counter()
+            if jobs[0].key in prepared:  # KVzip, its scores shared with its other settings
+                ctx, seconds, sharing = prepared.pop(jobs[0].key)
+                reused, start = True, start - seconds
+            else:
+                (ctx, reused), sharing = self._compress(method, first, shared), None
+            shared_seconds = (time.perf_counter() - start) / len(jobs)  # each row's share of the compression
+            for job, row in zip(jobs, rows):
+                row["method_config"] = ctx.method.describe()
+                row["context_group"] = len(jobs)
+                if sharing:
+                    row["kvzip_scores_shared"] = sharing
+                cache = ctx.new_cache()
+                yield self._answer(row, job.sample, cache, ctx.logits, encoded[job.sample.id][1], reused,
+                                   time.perf_counter() - shared_seconds)
+        del shared
+
     def _run_sample(self, jobs: list[Job], compressed: torch.Tensor, after: torch.Tensor) -> Iterator[dict]:
-        """One sample's jobs, one at a time, replaying its shared prefill where two or more can."""
+        """One sample's jobs, one at a time, replaying its shared prefill where two or more can (and
+        KVzip's scores, where it runs at two or more settings: `_kvzip_contexts`)."""
         want, queries = self._wants_shared(jobs, compressed.shape[-1])
         self._shared_queries = queries
         shared = compress(self.model, compressed, FullCache(), None, queries) if want else None
+        prepared = self._kvzip_contexts(jobs, compressed, shared)
         for job in jobs:
             self._show(job)
-            yield self.run_job(job, compressed, after, shared)
+            if job.key in prepared:
+                yield self._run_prepared(job, compressed, after, *prepared.pop(job.key))
+            else:
+                yield self.run_job(job, compressed, after, shared)
         del shared
+
+    def _kvzip_contexts(self, jobs: list[Job], compressed: torch.Tensor,
+                        shared: CompressedContext | None) -> dict[str, tuple[CompressedContext, float, int]]:
+        """KVzip's compressed contexts for `jobs` (one per cell) that score alike, two or more of them,
+        with its scoring passes run once (`kvtrim.eval.kvzip_reuse`): job key -> (context, this row's share
+        of the shared seconds, how many rows share the scores). Empty without prefill reuse."""
+        if not self.settings.reuse_prefill or self.settings.prefill_chunk_size is not None:
+            return {}
+        from kvtrim.eval.kvzip_reuse import score_once, scoring_key
+
+        groups: dict[tuple, list[tuple[Job, EvictionMethod]]] = {}
+        n = compressed.shape[-1]
+        for job in jobs:
+            try:
+                method = self.build(job, n)
+            except KvtrimError:
+                continue
+            key = scoring_key(method)
+            if key is not None:
+                groups.setdefault(key, []).append((job, method))
+        out = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            contexts, seconds = score_once(self.model, self.tokenizer, compressed, [m for _, m in group],
+                                           shared if shared is not None and shared.one_shot_full else None)
+            for (job, _), ctx in zip(group, contexts):
+                out[job.key] = (ctx, seconds / len(group), len(group))
+        return out
+
+    def _run_prepared(self, job: Job, compressed: torch.Tensor, after: torch.Tensor, ctx: CompressedContext,
+                      shared_seconds: float, sharing: int) -> dict:
+        """`run_job` for a context already compressed (KVzip from shared scores)."""
+        row = self._row(job, compressed.shape[-1], after.shape[-1])
+        row["method_config"] = ctx.method.describe()
+        row["kvzip_scores_shared"] = sharing
+        return self._answer(row, job.sample, ctx.cache, ctx.logits, after, True, time.perf_counter() - shared_seconds)
 
     def _show(self, job: Job, size: int = 1) -> None:
         if self._bar is not None:
@@ -527,7 +636,8 @@ class Runner:
 
 def pending_units(out_dir: str, jobs: list[Job], batch_size: int = 1) -> list[list[Job]]:
     """The jobs not yet in `out_dir/results.jsonl` (a cut last line repaired first), grouped by sample in
-    plan order: the units of work, each sharing one prefill. With `batch_size` > 1, a unit holds the jobs
+    plan order: the units of work, each sharing one prefill; samples with the same context share one unit
+    (`Runner.run_context_group`: the context is compressed once per cell). With `batch_size` > 1, a unit holds the jobs
     of up to `batch_size` samples of one task and length (in plan order), run in batches (`Runner.run_unit`)."""
     done = {row.get("key") for row in load_rows(out_dir, repair=True)}
     by_sample: dict[str, list[Job]] = {}
@@ -535,8 +645,11 @@ def pending_units(out_dir: str, jobs: list[Job], batch_size: int = 1) -> list[li
         if job.key not in done:
             by_sample.setdefault(job.sample.id, []).append(job)
     units = list(by_sample.values())
-    if batch_size == 1:
-        return units
+    if batch_size == 1:  # samples that share a context form one unit: compressed once, asked many
+        by_context: dict[str, list[Job]] = {}
+        for unit in units:
+            by_context.setdefault(unit[0].sample.context, []).extend(unit)
+        return list(by_context.values())
     groups: dict[tuple, list[list[Job]]] = {}
     for unit in units:
         groups.setdefault((unit[0].sample.task, unit[0].sample.length), []).append(unit)

@@ -16,6 +16,13 @@
   `trace_partial` = the fraction of steps N whose first line `Step N: ... = V` ends with the right value
   (a step the prediction never reaches counts as wrong); `final_number` is reported too.
 
+* LongBench's English metrics (THUDM/LongBench `metrics.py`, the definitions read there and written
+  anew): `qa_f1` (token F1 after SQuAD-style normalisation), `rouge_l` (LCS F1 over words),
+  `classification` (TREC: the named classes, 1/k when the right one is among the k), `retrieval` and
+  `count` (the share of the numbers written that are right), `code_sim` (difflib similarity of the first
+  code line); the best score over the references (`longbench_score`). These scores can fall when text is
+  appended, so such rows are always decoded to EOS or the token cap (never stopped when answered).
+
 Answer extraction is deliberately simple: no symbolic equivalence (`\\frac12` and `0.5` differ), as in
 exact-match harnesses for MATH; see `normalize_answer` for what is normalised.
 
@@ -24,14 +31,19 @@ Scores are in [0, 1] per sample; reports multiply averages by 100.
 
 from __future__ import annotations
 
+import difflib
 import re
+import string
+from collections import Counter
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 _DIGITS = re.compile(r"\d+")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _STEP_LINE = re.compile(r"^[\s*#>-]*Step\s+(\d+)\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
 
-METRICS = ("string_match_all", "string_match_part", "passkey", "boxed", "final_number", "trace")
+#: LongBench's English metrics (THUDM/LongBench `metrics.py`, written anew here; see `longbench_score`)
+LONGBENCH_METRICS = ("qa_f1", "rouge_l", "classification", "retrieval", "count", "code_sim")
+METRICS = ("string_match_all", "string_match_part", "passkey", "boxed", "final_number", "trace") + LONGBENCH_METRICS
 
 
 def clean_prediction(text: str) -> str:
@@ -135,6 +147,117 @@ def trace_partial(prediction: str, step_refs: list[str]) -> float:
     return sum(answer_matches(got.get(k), [ref]) for k, ref in enumerate(step_refs, start=1)) / len(step_refs)
 
 
+# ---- LongBench's metrics ---------------------------------------------------------------------------
+_PUNCTUATION = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_text(text: str) -> str:
+    """LongBench's (SQuAD's) answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def token_f1(prediction: list[str], reference: list[str]) -> float:
+    """F1 of the tokens two lists share (counted with multiplicity)."""
+    common = sum((Counter(prediction) & Counter(reference)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(prediction), common / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(prediction: str, reference: str) -> float:
+    """LongBench's qa_f1_score: token F1 of the normalised prediction and reference."""
+    return token_f1(normalize_text(prediction).split(), normalize_text(reference).split())
+
+
+def _lcs_length(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence (dynamic programming, one row at a time)."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        row = [0]
+        for j, y in enumerate(b, start=1):
+            row.append(previous[j - 1] + 1 if x == y else max(previous[j], row[j - 1]))
+        previous = row
+    return previous[-1]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 (beta = 1): the longest common subsequence of the lower-cased words (runs of letters and
+    digits), over the prediction's and the reference's lengths. LongBench calls the `rouge` package,
+    whose own tokenisation and handling of sentences can give slightly different values."""
+    p, r = _WORD.findall(prediction.lower()), _WORD.findall(reference.lower())
+    if not p or not r:
+        return 0.0
+    lcs = _lcs_length(p, r)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(p), lcs / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def classification(prediction: str, reference: str, all_classes: list[str]) -> float:
+    """LongBench's classification_score: the classes named in the prediction, less those that are only part
+    of the reference's name; 1 / (their number) when the reference is among them, else 0. (The official
+    loop removes from the list it iterates, which can skip a class; here every such class is removed.)"""
+    named = [c for c in all_classes if c in prediction]
+    named = [c for c in named if not (c in reference and c != reference)]
+    return 1.0 / len(named) if reference in named else 0.0
+
+
+def retrieval(prediction: str, reference: str) -> float:
+    """LongBench's retrieval_score: the share of the numbers in the prediction that equal the reference's
+    paragraph number (`Paragraph N`)."""
+    found = re.findall(r"Paragraph (\d+)", reference)
+    numbers = _DIGITS.findall(prediction)
+    if not found or not numbers:
+        return 0.0
+    return sum(n == found[0] for n in numbers) / len(numbers)
+
+
+def count(prediction: str, reference: str) -> float:
+    """LongBench's count_score: the share of the numbers in the prediction that equal the reference."""
+    numbers = _DIGITS.findall(prediction)
+    return sum(n == str(reference) for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def code_sim(prediction: str, reference: str) -> float:
+    """LongBench's code_sim_score: the first line of the prediction without a backtick, `#` or `//`, compared
+    with the reference by difflib's similarity ratio (2 x matches / total length; LongBench's
+    `fuzz.ratio` is the same ratio, x100 and rounded, when fuzzywuzzy runs without python-Levenshtein)."""
+    line = next((x for x in prediction.lstrip("\n").split("\n") if "`" not in x and "#" not in x and "//" not in x), "")
+    return difflib.SequenceMatcher(None, line, reference).ratio()
+
+
+#: LongBench's English tasks -> metric (its `dataset2metric`); the Chinese ones need a word segmenter
+LONGBENCH_TASKS = {
+    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "hotpotqa": "qa_f1", "2wikimqa": "qa_f1",
+    "musique": "qa_f1", "triviaqa": "qa_f1", "gov_report": "rouge_l", "qmsum": "rouge_l", "multi_news": "rouge_l",
+    "samsum": "rouge_l", "trec": "classification", "passage_retrieval_en": "retrieval", "passage_count": "count",
+    "lcc": "code_sim", "repobench-p": "code_sim",
+}
+LONGBENCH_CHINESE = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
+#: tasks whose prediction LongBench cuts to its first line before scoring
+FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")
+
+
+def longbench_score(metric: str, prediction: str, references: list[str], all_classes: list[str] | None = None,
+                    first_line: bool = False) -> float:
+    """LongBench's scorer for one prediction: leading whitespace stripped (and only the first line kept
+    for `first_line` tasks), then the best score over the references."""
+    prediction = prediction.lstrip()
+    if first_line:
+        prediction = prediction.split("\n")[0]
+    fn = {"qa_f1": qa_f1, "rouge_l": rouge_l, "retrieval": retrieval, "count": count, "code_sim": code_sim}
+    if metric == "classification":
+        return max(classification(prediction, ref, all_classes or []) for ref in references)
+    return max(fn[metric](prediction, ref) for ref in references)
+
+
 def answer_is_final(metric: str, prediction: str) -> bool:
     """Whether `prediction` has given its final answer, so that decoding may stop once it is also right:
     a closed box for `boxed` / `trace` (models end there; a later box would replace it, but that is the
@@ -146,8 +269,14 @@ def answer_is_final(metric: str, prediction: str) -> bool:
     return metric != "final_number"
 
 
-def score_prediction(metric: str, prediction: str, references: list[str]) -> dict[str, float]:
-    """All scores of one prediction; `score` is the task's own metric."""
+def score_prediction(metric: str, prediction: str, references: list[str], all_classes: list[str] | None = None,
+                     first_line: bool = False) -> dict[str, float]:
+    """All scores of one prediction; `score` is the task's own metric (`all_classes`, `first_line`: for
+    LongBench's metrics, see `longbench_score`)."""
+    if metric in LONGBENCH_METRICS:
+        value = longbench_score(metric, prediction, references, all_classes, first_line)
+        return {"string_match_all": string_match_all(prediction, references),
+                "string_match_part": string_match_part(prediction, references), metric: value, "score": value}
     scores = {
         "string_match_all": string_match_all(prediction, references),
         "string_match_part": string_match_part(prediction, references),
