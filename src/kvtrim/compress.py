@@ -132,23 +132,35 @@ class CompressedContext:
         check(not method.waits_for_attention or all(q is not None for q in queries),
               f"{type(method).__name__} needs the context's queries: compress with record_queries=True "
               "on a model running kvtrim attention")
-        cache = TrimCache(method, config=self.model.config)
-        cache.kvtrim_attention = is_enabled(self.model)
-        with cache.phase(Phase.PREFILL, ends_prompt=True):
-            for idx, source in enumerate(self.cache.layers):
-                if not isinstance(source, TrimLayer):  # sliding-window layers: method-independent, copy them
-                    while len(cache.layers) <= idx:
-                        cache.layers.append(None)
-                    cache.layers[idx] = copy.deepcopy(source)
-                    continue
-                cache.update(source.keys, source.values, idx)
-                layer = cache.layers[idx]
-                if layer.awaiting_attention:
-                    layer.after_attention(source.state.get("queries"), None, source.attn_scaling)
+        cache = replay(self.model, self.cache, method, ends_prompt=True)
         return CompressedContext(self.model, cache, self.context_ids, self.logits)
 
 
 @torch.no_grad()
+def replay(model, source: TrimCache, method: EvictionMethod, ends_prompt: bool) -> TrimCache:
+    """`source`'s stored keys and values fed into a new `TrimCache(method)` as one prompt forward.
+
+    The queries recorded in `source` go to layers whose method waits for them; sliding-window layers are
+    method-independent and copied. With `ends_prompt` the method compresses now (`recompress`); without,
+    the prompt stays open (KVzip's shared scoring in a sweep ends it later).
+    """
+    cache = TrimCache(method, config=model.config)
+    cache.kvtrim_attention = is_enabled(model)
+    with cache.phase(Phase.PREFILL, ends_prompt=ends_prompt):
+        for idx, layer_in in enumerate(source.layers):
+            if not isinstance(layer_in, TrimLayer):  # sliding-window layers: method-independent, copy them
+                while len(cache.layers) <= idx:
+                    cache.layers.append(None)
+                cache.layers[idx] = copy.deepcopy(layer_in)
+                continue
+            cache.update(layer_in.keys, layer_in.values, idx)
+            layer = cache.layers[idx]
+            if layer.awaiting_attention:
+                queries = layer_in.state.get("queries") if isinstance(layer_in.state, dict) else None
+                layer.after_attention(queries, None, layer_in.attn_scaling)
+    return cache
+
+
 def compress(
     model,
     context_ids,

@@ -18,15 +18,11 @@ recomputing).
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 
-from kvtrim.attention import is_enabled
-from kvtrim.cache import TrimCache, TrimLayer
-from kvtrim.compress import CompressedContext, compress, run_scoring_passes
-from kvtrim.methods.base import Phase
+from kvtrim.compress import CompressedContext, compress, replay, run_scoring_passes
 from kvtrim.methods.full import FullCache
 from kvtrim.methods.kvzip import KVzip
 
@@ -36,25 +32,6 @@ def scoring_key(method) -> tuple | None:
     if type(method) is not KVzip:
         return None
     return (method.variant, method.chunk_size, method.prompt_format)
-
-
-def _replay(model, full: CompressedContext, method) -> TrimCache:
-    """`full`'s keys and values in a new `TrimCache(method)`, the prompt still open."""
-    cache = TrimCache(method, config=model.config)
-    cache.kvtrim_attention = is_enabled(model)
-    with cache.phase(Phase.PREFILL):
-        for idx, source in enumerate(full.cache.layers):
-            if not isinstance(source, TrimLayer):  # sliding-window layers: method-independent, copy them
-                while len(cache.layers) <= idx:
-                    cache.layers.append(None)
-                cache.layers[idx] = copy.deepcopy(source)
-                continue
-            cache.update(source.keys, source.values, idx)
-            layer = cache.layers[idx]
-            if layer.awaiting_attention:  # KVzip reads nothing at a prefill forward (only in its passes)
-                queries = source.state.get("queries") if isinstance(source.state, dict) else None
-                layer.after_attention(queries, None, source.attn_scaling)
-    return cache
 
 
 @torch.no_grad()
@@ -70,13 +47,13 @@ def score_once(model, tokenizer, context_ids: torch.Tensor, methods: list[KVzip]
     start = time.perf_counter()
     if full is None:
         full = compress(model, context_ids, FullCache(), None)
-    scorer = _replay(model, full, methods[0])
+    scorer = replay(model, full.cache, methods[0], ends_prompt=False)
     run_scoring_passes(model, scorer, methods[0].scoring_inputs(context_ids, tokenizer))
     scores = [(layer.state.scores, layer.state.protected) for layer in scorer.trim_layers()]
     shared_seconds = time.perf_counter() - start
     out = []
     for method in methods:
-        cache = _replay(model, full, method)
+        cache = replay(model, full.cache, method, ends_prompt=False)
         for layer, (s, protected) in zip(cache.trim_layers(), scores):
             layer.state.scores, layer.state.protected = s.clone(), protected
         cache.end_prompt()  # KVzip's selection, at this method's ratio or budget
