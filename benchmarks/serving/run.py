@@ -142,6 +142,10 @@ def machine() -> dict:
             "loadavg_start": list(os.getloadavg())}
 
 
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
 def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")
 
@@ -269,9 +273,10 @@ def main(argv=None) -> int:
         data["machine"]["loadavg_end"] = list(os.getloadavg())
         write(out, data)
         if "error" not in record:
-            print(f"[{label}] {record['output_tok_s']:.1f} out tok/s, running max {record['running_max']}, "
-                  f"TTFT p50 {record['ttft_median_s']:.1f} s, passkey {record['passkey_found']}/{record['requests']}, "
-                  f"{record['config_wall_s']:.0f} s", flush=True)
+            r = record
+            print(f"[{label}] {_num(r['output_tok_s'])} out tok/s, running max {_num(r['running_max'])}, "
+                  f"TTFT p50 {_num(r['ttft_median_s'])} s, passkey {r['passkey_found']}/{r['requests']}, "
+                  f"{r['errors']} failed requests, {r['config_wall_s']:.0f} s", flush=True)
     order = {label: i for i, (label, _) in enumerate(configs)}
     data["runs"].sort(key=lambda r: order.get(r["label"], len(order)))
     write(out, data)
