@@ -162,3 +162,35 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     assert all(got[i] == "400" for i in bad)
     assert all(got[i] == 4 for i in range(200) if i not in bad), got
     wait_idle(server.url)
+
+
+def test_preempted_compacted_requests_are_recomputed(server, prompts):
+    """A 12-block pool: four compacted requests (KeyDiff at 0.75 keeps ~225 of ~900 entries, 2 blocks) that
+    each grow by 200 tokens outgrow it, so vLLM preempts; a preempted request is recomputed from its tokens,
+    compacted again, and answers as it does on a pool large enough for all four."""
+    spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
+    small = Server(method="full", extra=["--num-gpu-blocks-override", "12", "--max-model-len", "1280"])
+    try:
+        texts = [s.prompt for s in prompts[:4]]
+
+        def long_answers(url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+            model = client.models.list().data[0].id
+
+            def one(p):
+                r = client.completions.create(model=model, prompt=p, max_tokens=200, temperature=0,
+                                              extra_body={"ignore_eos": True, "vllm_xargs": spec})
+                return r.choices[0].text, r.usage.completion_tokens
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(one, texts))
+
+        roomy, tight = long_answers(server.url), long_answers(small.url)
+        assert gauge(small.url, "vllm:num_preemptions_total") > 0
+        assert all(n == 200 for _, n in tight)
+        found = [s.key in t[:40] for s, (t, _) in zip(prompts, roomy)]
+        found_tight = [s.key in t[:40] for s, (t, _) in zip(prompts, tight)]
+        assert sum(a and not b for a, b in zip(found, found_tight)) == 0, (roomy, tight)
+        wait_idle(small.url)
+    finally:
+        small.stop()
