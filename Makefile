@@ -12,7 +12,7 @@
 # older transformers than kvtrim's core needs, so they run in their own environment).
 .PHONY: setup demo test test-fast test-slow serve-env serve bench-serving
 
-VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_server.py
+VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_scheduler.py tests/test_vllm_server.py
 
 setup:
 	./scripts/bootstrap.sh

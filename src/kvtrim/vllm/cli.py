@@ -5,7 +5,8 @@
 
 It checks what it can before anything loads (the method spec, the vLLM version, refused features), then
 runs `python -m vllm.entrypoints.openai.api_server` with:
-`--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (eviction), `--logits-processors
+`--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (eviction), `--scheduler-cls
+kvtrim.vllm.scheduler.TrimScheduler` (the emptied blocks go back to the pool), `--logits-processors
 kvtrim.vllm.validate:MethodSpecCheck` (a bad per-request spec is a 400), `--additional-config
 {"kvtrim_method": SPEC}` (the server's default) and `--no-enable-prefix-caching`.
 Named models (`kvtrim models`) resolve to their local safetensors copy (built on first use). The child
@@ -26,7 +27,9 @@ import sys
 from kvtrim.methods.base import KvtrimError, check
 
 #: flags kvtrim serve sets itself, or refuses (the reason)
-_OWN = {"--worker-cls": "kvtrim serve sets the worker itself", "--logits-processors": "kvtrim serve sets it itself",
+_OWN = {"--worker-cls": "kvtrim serve sets the worker itself",
+        "--scheduler-cls": "kvtrim serve sets the scheduler itself (it returns compacted blocks to the pool)",
+        "--logits-processors": "kvtrim serve sets it itself",
         "--additional-config": "use --method for the server's default", "--model": None}
 _REFUSED = {
     "--enable-prefix-caching": "prefix caching would share compacted blocks",
@@ -80,17 +83,21 @@ def vllm_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", args.host, "--port", str(args.port),
             "--worker-cls", "kvtrim.vllm.worker.TrimCPUWorker",
+            "--scheduler-cls", "kvtrim.vllm.scheduler.TrimScheduler",
             "--logits-processors", "kvtrim.vllm.validate:MethodSpecCheck",
             "--additional-config", json.dumps({CONFIG_KEY: args.method}),
             "--no-enable-prefix-caching", *extra]
 
 
 def child_env() -> dict[str, str]:
-    """The server's environment: the caller's plus HF_HUB_OFFLINE=1 and the OpenMP preload."""
+    """The server's environment: the caller's plus HF_HUB_OFFLINE=1 and the OpenMP preload (unless the caller
+    preloads an OpenMP runtime already)."""
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
     lib = _libiomp()
-    if lib and lib not in env.get("LD_PRELOAD", ""):
+    preload = env.get("LD_PRELOAD", "")
+    # one OpenMP runtime: vLLM refuses Intel's and GNU's preloaded together
+    if lib and not any(omp in preload for omp in ("libiomp", "libgomp", "libomp")):
         env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
     return env
 

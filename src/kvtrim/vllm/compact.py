@@ -33,6 +33,21 @@ def kept_positions(method: EvictionMethod, layers: list[tuple[torch.Tensor, torc
     return kept
 
 
+def entries_discarded(method: EvictionMethod, prompt_tokens: int) -> int:
+    """How many of a `prompt_tokens`-entry prompt's entries `method` discards, known before the keys are: the
+    methods the engine runs (`kvtrim.vllm.spec`) keep a number that depends on the length only, so the method
+    runs on stand-in keys of that length (one layer, one KV head). The scheduler frees blocks by it; the worker
+    checks its real compaction against it."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 1, prompt_tokens, 8, generator=g)
+    return prompt_tokens - kept_positions(method, [(k, v)])[0].shape[-1]
+
+
+def blocks_needed(entries: int, block_size: int) -> int:
+    """Blocks that hold a request's first `entries` stored entries (what it keeps after a compaction)."""
+    return -(-entries // block_size)
+
+
 def compact_request(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, prompt_tokens: int, stored: int,
                     method: EvictionMethod) -> int:
     """Evict from the request's first `prompt_tokens` stored entries (its prompt) with `method`, in every layer's

