@@ -6,9 +6,11 @@
 #   make test-slow - only the tests marked `slow` (minutes on 2 CPU threads; not part of CI)
 #   make serve-env - the serving environment .venv-serve (vLLM's CPU build + kvtrim's plugin; scripts/serve_env.sh)
 #   make serve     - `kvtrim serve` on SmolLM2 with KeyDiff at half the prompt (OpenAI API on 127.0.0.1:8000)
+#   make bench-serving - plain vLLM vs `kvtrim serve` under one concurrent load (benchmarks/serving/README.md; long,
+#                 needs a quiet machine; not part of `make test`). Extra flags: make bench-serving ARGS="--resume"
 # `make test` also builds .venv-serve and runs the plugin's tests there (tests/test_vllm_*.py: vLLM pulls an
 # older transformers than kvtrim's core needs, so they run in their own environment).
-.PHONY: setup demo test test-fast test-slow serve-env serve
+.PHONY: setup demo test test-fast test-slow serve-env serve bench-serving
 
 VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_scheduler.py tests/test_vllm_server.py
 
@@ -29,6 +31,10 @@ serve-env:
 serve: serve-env
 	.venv-serve/bin/kvtrim serve --model smollm2-135m --method keydiff:compression_ratio=0.5 \
 		--dtype bfloat16 --enforce-eager --gpu-memory-utilization 0.25
+
+# setup: the plot runs from .venv (matplotlib is not in .venv-serve)
+bench-serving: setup serve-env
+	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results $(ARGS)
 
 test-slow: setup
 	.venv/bin/python -m pytest -q -m slow --durations=0
