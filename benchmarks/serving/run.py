@@ -56,9 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=100,
                    help="KV blocks of every server (--num-gpu-blocks-override; default 100)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's --max-num-seqs (default 64)")
-    p.add_argument("--requests", type=int, default=32, help="concurrent requests, all sent at once (default 32)")
-    p.add_argument("--prompt-tokens", type=int, default=2400, help="passkey prompt length in tokens (default 2400)")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
+    p.add_argument("--requests", type=int, default=24, help="concurrent requests, all sent at once (default 24)")
+    p.add_argument("--prompt-tokens", type=int, default=3000, help="passkey prompt length in tokens (default 3000)")
+    p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     p.add_argument("--seed", type=int, default=0, help="passkey keys and vLLM's --seed (default 0)")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between /metrics polls (default 0.5)")
     p.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json "
