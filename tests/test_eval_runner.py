@@ -321,3 +321,21 @@ def test_budget_sweep_on_the_hand_written_reasoning_file(model, tok, tmp_path):
             assert trace[window] == budget and max(trace[window:]) <= budget + window
             assert r["final_compression"] > 0
     assert seen == {"final_number", "boxed", "trace"}
+
+
+def test_report_names_the_synthetic_rows_beside_essay_rows(tmp_path):
+    """Essay rows and generated ones in one run: the synthetic-haystack note names the tasks it is about."""
+    def row(task, haystack):
+        r = {"key": f"{task}|full|0", "sample_id": f"{task}/0", "task": task, "length": 2048, "method": "full",
+             "compression_ratio": 0.0, "budget": None, "metric": "string_match_all", "score": 1.0,
+             "string_match_all": 1.0, "string_match_part": 1.0, "final_compression": 0.0, "peak_stored": 10,
+             "final_stored": 10, "prompt_tokens": 10, "compressed_tokens": 10, "seconds": 1.0, "depth": 0.5,
+             "kv_bytes": 100, "kv_bytes_full": 100, "stored_per_layer_mean": 10.0,
+             "achieved_compression": 0.0, "new_tokens": 4}
+        return dict(r, haystack=haystack) if haystack else r
+
+    md = open(write_report([row("niah_single_2", "essay"), row("vt", None), row("niah_single_1", None)],
+                           str(tmp_path), plots=False)["markdown"]).read()
+    assert "Rows of niah_single_1, vt: the haystacks are synthetic" in md and "Paul Graham's essays (the wheel" in md
+    md = open(write_report([row("vt", None)], str(tmp_path), plots=False)["markdown"]).read()
+    assert "The haystacks are synthetic" in md and "Rows of" not in md and "--haystack essay" not in md

