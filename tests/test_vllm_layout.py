@@ -11,7 +11,7 @@ vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU buil
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
-from kvtrim.vllm.compact import compact_request  # noqa: E402
+from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, compact_request, forward_steps  # noqa: E402
 from kvtrim.vllm.layout import check_isa, read_request, write_request  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
@@ -60,40 +60,94 @@ def test_write_lays_out_as_the_kernel(dtype):
     assert torch.equal(ours, theirs)
 
 
-def reference_kept(method, layers):
-    """TrimCache on one layer at a time (as model.generate's one-shot prefill): kept positions (h, n_keep)."""
+def reference_kept(method, layers, prompt):
+    """TrimCache on one layer at a time, as model.generate runs it: the prompt in one forward that ends it, the
+    tokens after it (a recomputed request's) as an append. Kept positions (h, n_keep) per layer."""
     kept = []
     for idx, (k, v) in enumerate(layers):
         cache = TrimCache(method)
         with cache.phase(Phase.PREFILL, ends_prompt=True):
-            cache.update(k[None].clone(), v[None].clone(), idx)
+            cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
+        if k.shape[1] > prompt:
+            with cache.phase(Phase.APPEND if k.shape[1] - prompt > 1 else Phase.DECODE):
+                cache.update(k[None, :, prompt:].clone(), v[None, :, prompt:].clone(), idx)
         kept.append(cache.layers[idx].kept_positions()[0])
     return kept
 
 
+def request_caches(blocks, n, n_layers, dtype, seed):
+    """Per layer a fresh cache holding a request's `n` random entries (written by vLLM's kernel), and the
+    entries `(h, n, d)` themselves."""
+    torch.manual_seed(seed)
+    caches, originals = [], []
+    for _ in range(n_layers):
+        keys = (torch.randn(n, H, D) * torch.linspace(0.5, 2, D)).to(dtype)
+        values = torch.randn(n, H, D).to(dtype)
+        cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+        kernel_write(cache, keys, values, request_slots(blocks, n))
+        caches.append(cache)
+        originals.append((keys.transpose(0, 1), values.transpose(0, 1)))
+    return caches, originals
+
+
+def assert_holds(caches, blocks, originals, expected):
+    """Every layer's cache holds, for every KV head, exactly its original entries at the `expected` positions."""
+    for cache, (k, v), kept in zip(caches, originals, expected):
+        got_k, got_v = read_request(cache, blocks, kept.shape[-1])
+        for h in range(H):
+            assert torch.equal(got_k[h], k[h, kept[h]]) and torch.equal(got_v[h], v[h, kept[h]])
+
+
 @pytest.mark.parametrize("spec", ["lagkv:compression_ratio=0.5:lag_size=32:sink_size=4", "keydiff:compression_ratio=0.5",
                                   "streaming:compression_ratio=0.75", "knorm:compression_ratio=0.5",
-                                  "lagkv:compression_ratio=0.75:lag_size=16"])
+                                  "lagkv:compression_ratio=0.75:lag_size=16", "keydiff:budget=60:block_size=16",
+                                  "lagkv:lag_size=16:sink_size=4"])
 def test_compaction_keeps_trimcache_positions(spec, dtype):
-    torch.manual_seed(2)
     method = method_for_vllm(spec)
     prompt, tail, n_layers = 5 * BS + 7, 3, 3  # `tail`: a recomputed request's tokens after the prompt
     stored = prompt + tail
     blocks = torch.tensor([11, 1, 6, 3, 8, 0])
-    caches, originals = [], []
-    for _ in range(n_layers):
-        keys = (torch.randn(stored, H, D) * torch.linspace(0.5, 2, D)).to(dtype)
-        values = torch.randn(stored, H, D).to(dtype)
-        cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
-        kernel_write(cache, keys, values, request_slots(blocks, stored))
-        caches.append(cache)
-        originals.append((keys.transpose(0, 1), values.transpose(0, 1)))
-    expected = reference_kept(method, [(k[:, :prompt], v[:, :prompt]) for k, v in originals])
+    caches, originals = request_caches(blocks, stored, n_layers, dtype, seed=2)
+    expected = reference_kept(method, originals, prompt)
     gone = compact_request(caches, blocks, prompt, stored, method)
-    n_keep = expected[0].shape[-1]
-    assert gone == prompt - n_keep > 0
-    for cache, (k, v), kept in zip(caches, originals, expected):
-        idx = torch.cat([kept, torch.arange(prompt, stored).expand(H, -1)], dim=-1)
-        got_k, got_v = read_request(cache, blocks, n_keep + tail)
-        for h in range(H):  # every KV head: its own kept entries, then the tail in order
-            assert torch.equal(got_k[h], k[h, idx[h]]) and torch.equal(got_v[h], v[h, idx[h]])
+    assert gone == stored - expected[0].shape[-1] > 0
+    assert_holds(caches, blocks, originals, expected)
+
+
+@pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:keep_ratio=0.25:lag_size=8:sink_size=2",
+                                  "keydiff:budget=40:block_size=16", "keydiff:budget=50:block_size=8:sink_size=4",
+                                  "streaming:budget=40", "streaming:budget=30:sink_size=2"])
+def test_decoding_compactions_keep_trimcache_positions(spec, dtype):
+    """The engine's path, token by token: each decode step's entry lands at the slot after what the request
+    stores, the stand-in says which steps are due, and those compact the blocks. The blocks end up holding
+    exactly what `TrimCache` keeps when generate feeds it the same keys (prompt, then one token at a time)."""
+    method = method_for_vllm(spec)
+    prompt, new, n_layers = 2 * BS + 5, 70, 2
+    blocks = torch.tensor([9, 4, 11, 0, 7, 2])
+    caches, originals = request_caches(blocks, prompt, n_layers, dtype, seed=3)
+    torch.manual_seed(4)
+    more = [((torch.randn(new, H, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(new, H, D).to(dtype))
+            for _ in range(n_layers)]
+    originals = [(torch.cat([k, mk.transpose(0, 1)], 1), torch.cat([v, mv.transpose(0, 1)], 1))
+                 for (k, v), (mk, mv) in zip(originals, more)]
+    counts, entries, gone, due_decodes = StoredCounts(method), RequestEntries(), 0, 0
+    for end in [prompt] + list(range(prompt + 1, prompt + new + 1)):
+        if end > prompt:  # the decode step writes its token where the stored entries end
+            slot = request_slots(blocks, end - gone)[-1:]
+            for cache, (mk, mv) in zip(caches, more):
+                kernel_write(cache, mk[end - prompt - 1:end - prompt], mv[end - prompt - 1:end - prompt], slot)
+        steps = forward_steps(end - 1 if end > prompt else 0, end, prompt)
+        if counts.advance(steps):
+            gone = compact(caches, blocks, method, entries, steps, end, prompt)
+            assert gone == counts.discarded
+            due_decodes += end > prompt
+    reference = []
+    for idx, (k, v) in enumerate(originals):
+        cache = TrimCache(method)
+        with cache.phase(Phase.PREFILL, ends_prompt=True):
+            cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
+        for t in range(prompt, prompt + new):
+            cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
+        reference.append(cache.layers[idx].kept_positions()[0])
+    assert due_decodes >= 2 and gone == prompt + new - reference[0].shape[-1]
+    assert_holds(caches, blocks, originals, reference)

@@ -124,6 +124,43 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
     assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded
 
 
+def reference_stored(spec: str, prompt: int, new: int) -> list[int]:
+    """Entries stored after each of `prompt + new` tokens fed as generate feeds them (the prompt in one forward,
+    then one token at a time), by `TrimCache` on random keys (one layer, 3 KV heads): `[tokens] -> stored`."""
+    cache = TrimCache(parse_method_spec(spec).build())
+    stored = [0] * (prompt + new + 1)
+    with cache.phase(Phase.PREFILL, ends_prompt=True):
+        cache.update(*torch.randn(2, 1, 3, prompt, 64), 0)
+    stored[prompt] = cache.layers[0].stored
+    for t in range(prompt + 1, prompt + new + 1):
+        cache.update(*torch.randn(2, 1, 3, 1, 64), 0)
+        stored[t] = cache.layers[0].stored
+    return stored
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=64:block_size=32", "lagkv:lag_size=32:sink_size=4",
+                                  "streaming:budget=40"])
+def test_decoding_evictions_return_blocks(spec):
+    """Methods that evict while decoding: after every step each request holds the blocks of what it stores,
+    and blocks go back to the pool during decoding too."""
+    prompt, new = 200, 120
+    s = make_scheduler(200)
+    add(s, 2, prompt, new, spec)
+    expected = reference_stored(spec, prompt, new)
+    freed_at_prompt = None
+    for _ in range(new):
+        step(s)
+        freed_at_prompt = s.kvtrim_freed_blocks if freed_at_prompt is None else freed_at_prompt
+        for r in s.running:
+            assert held(s, r.request_id) == -(-expected[r.num_computed_tokens] // BLOCK), (spec, r.num_computed_tokens)
+    blocks = [-(-n // BLOCK) for n in expected[prompt:]]
+    shrinks = any(b < a for a, b in zip(blocks, blocks[1:]))  # a decode step leaves fewer blocks than the one before
+    assert shrinks == (spec != "streaming:budget=40")  # streaming's 40 entries never leave their 3 blocks
+    assert (s.kvtrim_freed_blocks > freed_at_prompt) == shrinks  # decode-time compactions returned blocks too
+    run_all(s)
+    assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
+
+
 def test_full_frees_nothing_and_a_request_picks_its_method():
     s = make_scheduler(100, method="streaming:compression_ratio=0.75")
     add(s, 1, 160, 4, "full")
@@ -146,10 +183,10 @@ def test_compaction_runs_more_requests_at_once(spec):
     assert free_blocks(full) == free_blocks(evicted) == 40
 
 
-def test_preempted_request_is_compacted_again_and_nothing_leaks():
+@pytest.mark.parametrize("spec", ["streaming:compression_ratio=0.75", "lagkv:lag_size=16:sink_size=4"])
+def test_preempted_request_is_compacted_again_and_nothing_leaks(spec):
     """Decoding outgrows a 12-block pool: vLLM preempts, the request is recomputed from its tokens (prompt +
     generated) and compacted again; its old count goes with its blocks."""
-    spec = "streaming:compression_ratio=0.75"
     s = make_scheduler(12)
     add(s, 3, 64, 80, spec)  # 64 -> 16 kept (1 block); 80 new tokens grow each to 6 blocks
     preempted = 0
@@ -162,7 +199,7 @@ def test_preempted_request_is_compacted_again_and_nothing_leaks():
             gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
             assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK)
     assert not s.has_requests() and preempted > 0
-    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded
+    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
 
 
 def test_aborted_request_frees_its_blocks():

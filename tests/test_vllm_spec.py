@@ -15,15 +15,21 @@ def test_ratio_modes_run(text, cls):
     assert type(method) is cls and method.compression_ratio is not None
 
 
+@pytest.mark.parametrize("text, cls", [
+    ("lagkv", LagKV), ("lagkv:keep_ratio=0.25:lag_size=64", LagKV), ("keydiff:budget=64", KeyDiff),
+    ("streaming:budget=64", StreamingLLM), ("knorm:budget=64", KNorm),
+])
+def test_decoding_modes_run(text, cls):  # methods that evict while decoding (reference and budget modes)
+    method = method_for_vllm(text)
+    assert type(method) is cls and method.compression_ratio is None
+
+
 def test_full_evicts_nothing():
     assert method_for_vllm("full") is None
 
 
 @pytest.mark.parametrize("text, words", [
     ("nope", "unknown method 'nope'"),
-    ("lagkv", "reference mode"),
-    ("keydiff:budget=64", "evicts during decoding"),
-    ("streaming:budget=64", "evicts during decoding"),
     ("snapkv:compression_ratio=0.5", "queries"),
     ("h2o:budget=64", "queries or attention"),
     ("kvzip:compression_ratio=0.5", "queries"),
@@ -41,3 +47,26 @@ def test_refused_in_one_line(text, words):
 def test_not_a_string(value):  # vllm_xargs values may be numbers or lists
     with pytest.raises(KvtrimError, match="spec string"):
         method_for_vllm(value)
+
+
+def test_installed_methods_are_found(monkeypatch):
+    """A method an installed package registers through the `kvtrim.methods` entry point runs in the engine
+    without any import by the user (every server process loads the entry points before its first spec)."""
+    import os
+    import sys
+
+    from kvtrim.methods import METHODS
+    from kvtrim.vllm import spec
+
+    folder = os.path.join(os.path.dirname(__file__), "data", "contract_breaker")
+    monkeypatch.syspath_prepend(folder)
+    monkeypatch.setattr(spec, "_registered", spec._registered.__wrapped__)  # load them again, here
+    spec._method.cache_clear()
+    try:
+        assert "width_dependent" not in METHODS
+        method = method_for_vllm("width_dependent:compression_ratio=0.5")
+        assert type(method).__name__ == "WidthDependent" and method.compression_ratio == 0.5
+    finally:
+        METHODS.pop("width_dependent", None)
+        sys.modules.pop("kvtrim_contract_breaker", None)
+        spec._method.cache_clear()

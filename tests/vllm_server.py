@@ -25,7 +25,7 @@ class Server:
     """`kvtrim serve --model MODEL --method METHOD` as a child process; `url` once `/health` answers."""
 
     def __init__(self, model: str = "smollm2-135m", method: str = "full", extra: list[str] | None = None,
-                 timeout: float = 300, plain: bool = False):
+                 timeout: float = 300, plain: bool = False, env_extra: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvtrim-serve-", suffix=".log", delete=False)
@@ -40,6 +40,7 @@ class Server:
         else:
             cmd = [sys.executable, "-m", "kvtrim.cli", "serve", "--model", model, "--method", method,
                    "--port", str(self.port), *SERVER_FLAGS, *(extra or [])]
+        env.update(env_extra or {})  # the server's own environment (e.g. PYTHONPATH for a test plugin)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

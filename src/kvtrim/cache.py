@@ -56,7 +56,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvtrim.methods.base import EvictionMethod, EvictOne, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.padded_batch import PaddedBatch, PerSequence
-from kvtrim.storage import as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
+from kvtrim.storage import DenseKV, as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
 from kvtrim.stored_layer import StoredLayer
 
 __all__ = ["CacheStats", "TrimCache", "TrimLayer", "flat_rows", "record_padding_mask", "select_rows",
@@ -166,6 +166,21 @@ class TrimLayer(StoredLayer):
         self.kv = switch.empty(key_states, value_states, padded)
         if padded:
             self.seq, self.state = PaddedBatch.start(self.method, self.layer_idx, key_states.shape[0]), None
+
+    def resume(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int,
+               prompt_tokens: int | None, state: Any) -> None:
+        """Start this new layer from entries kept elsewhere, as if it had seen `seen` tokens and kept these:
+        `keys`, `values` `(batch, kv_heads, n, head_dim)` at `positions` `(batch, kv_heads, n)` (ascending per
+        head), the prompt's length once it ended, and the method's per-layer `state` (kvtrim's vLLM worker
+        resumes a request this way from its blocks at each of its compactions). Dense storage."""
+        check(not self.is_initialized, "only a new cache layer can resume from kept entries")
+        check(keys.shape == values.shape[:-1] + keys.shape[-1:] and positions.shape == keys.shape[:-1],
+              f"resume: keys {tuple(keys.shape)}, values {tuple(values.shape)} and positions "
+              f"{tuple(positions.shape)} do not describe the same entries")
+        self.device, self.is_initialized = keys.device, True
+        self.kv = DenseKV(keys, values, positions)
+        self.seen, self.prompt_tokens, self.state = seen, prompt_tokens, state
+        self.peak = keys.shape[-2]
 
     # ---- phases ------------------------------------------------------------------------------
     def _phase_of(self, q: int) -> tuple[Phase, bool, Any]:

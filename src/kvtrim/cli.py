@@ -20,13 +20,12 @@ import os
 import signal
 import sys
 
-from kvtrim.methods import METHODS, method_params, param_type
+from kvtrim.methods import METHODS, load_entry_points, method_params, param_type
 from kvtrim.methods.base import KvtrimError
 
 # subcommands living in their own modules: each module defines `add_parser(subparsers)`
 # whose parser sets `func`; a missing module simply means the subcommand is not built yet
 PLUGIN_COMMANDS = ("kvtrim.eval.cli", "kvtrim.bench.cli", "kvtrim.vllm.cli")
-ENTRY_POINT_GROUP = "kvtrim.methods"
 
 
 def _parse_tuple(text: str) -> tuple[int, ...]:
@@ -210,13 +209,7 @@ class _Parser(argparse.ArgumentParser):
 
 def load_plugins(modules: list[str]) -> None:
     """Import `--plugin` modules and the `kvtrim.methods` entry points (they register methods)."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as err:  # a broken third-party plugin must not break the CLI
-            print(f"kvtrim: warning: entry point {ep.name} ({ep.value}) failed to load: {err}", file=sys.stderr)
+    load_entry_points(lambda message: print(f"kvtrim: warning: {message}", file=sys.stderr))
     for module in modules:
         try:
             importlib.import_module(module)

@@ -29,6 +29,22 @@ from kvtrim.methods.tova import TOVA
 
 #: name -> method class; `register_method` adds to it (the CLI, `kvtrim eval` and `kvtrim bench` read it)
 METHODS: dict[str, type[EvictionMethod]] = {}
+#: the entry point group through which installed packages register methods (each entry point is loaded:
+#: importing it calls `register_method`)
+ENTRY_POINT_GROUP = "kvtrim.methods"
+
+
+def load_entry_points(on_error=None) -> None:
+    """Load every `kvtrim.methods` entry point (installed packages' methods register themselves). A broken
+    one is reported through `on_error(message)` and skipped; without `on_error` it is skipped silently."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as err:  # noqa: BLE001 - a broken third-party plugin must not break kvtrim
+            if on_error is not None:
+                on_error(f"entry point {ep.name} ({ep.value}) failed to load: {err}")
 
 
 def register_method(cls: type[EvictionMethod], replace: bool = False) -> type[EvictionMethod]:

@@ -1,66 +1,175 @@
-"""One request's compaction: the kept positions chosen by a `TrimCache`, applied to its vLLM blocks.
+"""A request's compactions: what a `TrimCache` keeps, applied to the request's vLLM blocks.
 
-The method is run exactly as `model.generate(..., cache=TrimCache(method))` runs it on a prompt fed in one
-forward that ends the prompt (`TrimCache.phase(PREFILL, ends_prompt=True)`), on the keys and values vLLM
-stored: no method is implemented a second time. The engine attended to the whole prompt before this
-(attend, then evict), as the one-shot prefill does.
+Each forward of a request is told to the method as `model.generate(..., cache=TrimCache(method))` tells it
+(`forward_steps`): nothing while the prompt is still being computed (vLLM's prefill chunks attend to all of
+it: in the engine the prompt is one block); the forward that completes the prompt is one prompt forward
+that ends it (`Phase.PREFILL, ends_prompt=True`, as the one-shot prefill); tokens after the prompt in that
+forward (a recomputed request's generated tokens) and every later forward are an append (several tokens)
+or a decode step (one). Attend, then evict: vLLM attended to everything before the compaction runs.
+
+Two things follow a request through its forwards:
+
+* `StoredCounts` (scheduler and worker): the method run on stand-in keys (one layer, one KV head,
+  head_dim 8): how many entries the request stores after each forward, and which forwards change anything
+  (`due`). The methods the engine runs keep counts that depend on token counts only (`kvtrim.vllm.spec`),
+  so the scheduler frees blocks by these counts, and the worker checks its real compaction against them.
+* `RequestEntries` (worker): the positions of the request's stored entries per layer and the method's
+  per-layer state, as of its last compaction. At a due forward, `compact` reads the stored keys and values
+  from the blocks, resumes a `TrimCache` with them (`TrimLayer.resume`), feeds it the forward's steps on
+  the real new entries, and writes what it kept back: no method is implemented a second time.
+
+Forwards that are not due are not shown to the real method (reading a request's whole cache at every
+decode step would cost more than the step). That is exact for methods whose hooks, on a forward that
+evicts nothing, leave their state as it was: the stand-in marks a forward due when it evicts or when
+its state changes (a state that cannot be compared, e.g. tensors, makes every forward due).
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from kvtrim.cache import TrimCache
+from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm.layout import read_request, write_request
 
+#: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
+#: compaction failed (req_id -> why, one line): the scheduler ends them with an error
+FAILED_ATTR = "kvtrim_failed"
 
-def kept_positions(method: EvictionMethod, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """Per layer, the positions `(kv_heads, n_keep)` (ascending) that `method` keeps of a prompt whose keys and
-    values per layer are `layers[i]` = `(kv_heads, n, head_dim)` each; every layer must keep the same count."""
-    cache = TrimCache(method)
-    with cache.phase(Phase.PREFILL, ends_prompt=True):
-        for idx, (k, v) in enumerate(layers):
-            cache.update(k[None], v[None], idx)
-    kept = []
-    for layer in cache.trim_layers():
-        pos = layer.kept_positions()
+#: one step of a forward as the method sees it: (phase, ends the prompt, tokens)
+Step = tuple[Phase, bool, int]
+
+
+def forward_steps(computed: int, end: int, prompt_tokens: int) -> list[Step]:
+    """The steps a forward computing a request's tokens `computed`..`end - 1` is to its method (module
+    docstring); `[]` while the prompt is not complete."""
+    if end < prompt_tokens or end <= computed:
+        return []
+    steps: list[Step] = []
+    start = computed
+    if computed < prompt_tokens:
+        steps.append((Phase.PREFILL, True, prompt_tokens))
+        start = prompt_tokens
+    if end > start:
+        steps.append((Phase.APPEND if end - start > 1 else Phase.DECODE, False, end - start))
+    return steps
+
+
+def _changed(before: Any, after: Any) -> bool:
+    try:
+        return bool(before != after)
+    except Exception:  # noqa: BLE001 - a state that cannot be compared (tensors): treat it as changed
+        return True
+
+
+class StoredCounts:
+    """How many entries a request stores under `method`, from its token counts alone (module docstring)."""
+
+    def __init__(self, method: EvictionMethod):
+        self.cache = TrimCache(method, in_place_decode=False)
+        self._gen = torch.Generator().manual_seed(0)
+
+    @property
+    def _layer(self) -> TrimLayer | None:
+        return self.cache.layers[0] if self.cache.layers else None
+
+    @property
+    def seen(self) -> int:
+        """Tokens told to the method so far."""
+        layer = self._layer
+        return 0 if layer is None else layer.seen
+
+    @property
+    def discarded(self) -> int:
+        """Entries discarded so far (tokens seen minus entries stored)."""
+        layer = self._layer
+        return 0 if layer is None else layer.seen - layer.stored
+
+    def advance(self, steps: list[Step]) -> bool:
+        """Tell the stand-in a forward's `steps`; True when the forward is due (it evicts, or changes the
+        method's state): the worker must run the method on it."""
+        due = False
+        for phase, ends, q in steps:
+            layer = self._layer
+            evictions = 0 if layer is None else layer.evictions
+            state = self.cache.method.new_state(0) if layer is None else copy.deepcopy(layer.state)
+            k, v = torch.randn(2, 1, 1, q, 8, generator=self._gen)
+            with self.cache.phase(phase, ends_prompt=ends):
+                self.cache.update(k, v, 0)
+            layer = self._layer
+            due = due or layer.evictions != evictions or _changed(state, layer.state)
+        return due
+
+
+@dataclass
+class RequestEntries:
+    """What the worker knows of a request's stored entries, as of its last compaction: the first `m` stored
+    entries of layer `i` hold the tokens at `positions[i]` `(kv_heads, m)` (ascending per head); the entries
+    after them are tokens `seen`, `seen + 1`, ... in order. `states`: the method's per-layer state."""
+
+    positions: list[torch.Tensor] | None = None  # None: nothing compacted yet (entry i is token i)
+    seen: int = 0
+    states: list[Any] | None = None
+
+    @property
+    def m(self) -> int:
+        return 0 if self.positions is None else self.positions[0].shape[-1]
+
+
+def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
+            entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int) -> int:
+    """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`) through `method` on the keys
+    and values stored in every layer's cache `(num_blocks, kv_heads, block_size, 2 * head_dim)`, write the
+    kept entries back in place and update `entries`. Returns the entries discarded so far (every layer and
+    KV head the same: vLLM's block table is shared)."""
+    told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
+    stored = entries.m + end - entries.seen
+    cache = TrimCache(method, in_place_decode=False)
+    new_positions, new_states, kept = [], [], set()
+    for idx, kv in enumerate(kv_caches):
+        keys, values = read_request(kv, block_ids, stored)  # (h, stored, d)
+        h = keys.shape[0]
+        first = torch.arange(entries.seen, end).expand(h, -1)
+        before = first if entries.positions is None else torch.cat([entries.positions[idx], first], dim=-1)
+        layer = TrimLayer(method, idx, owner=cache, in_place_decode=False)
+        cache.layers.append(layer)
+        old = stored - (end - told)  # entries stored before this forward's tokens
+        if told:
+            layer.resume(keys[None, :, :old], values[None, :, :old], before[None, :, :old], told,
+                         prompt_tokens, entries.states[idx] if entries.states else layer.state)
+        start = old
+        for phase, ends, q in steps:
+            with cache.phase(phase, ends_prompt=ends):
+                cache.update(keys[None, :, start:start + q], values[None, :, start:start + q], idx)
+            start += q
         check(not layer.is_ragged, f"{type(method).__name__} kept different numbers of entries per KV head, which "
                                    "vLLM's shared block table cannot hold")
-        kept.append(pos[0])
-    counts = {p.shape[-1] for p in kept}
-    check(len(counts) == 1, f"{type(method).__name__} kept different numbers of entries per layer ({sorted(counts)})")
-    return kept
+        pos = layer.positions[0]  # (h, n_keep), ascending
+        n_keep = pos.shape[-1]
+        kept.add(n_keep)
+        moved = (pos != before[:, :n_keep]).any(dim=0).nonzero()
+        if moved.numel():  # entries from the first one that moved on are rewritten
+            j = int(moved[0])
+            write_request(kv, block_ids, layer.keys[0, :, j:], layer.values[0, :, j:], start=j)
+        new_positions.append(pos)
+        new_states.append(layer.state)
+    check(len(kept) == 1, f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept)})")
+    entries.positions, entries.seen, entries.states = new_positions, end, new_states
+    return end - kept.pop()
 
 
-def entries_discarded(method: EvictionMethod, prompt_tokens: int) -> int:
-    """How many of a `prompt_tokens`-entry prompt's entries `method` discards, known before the keys are: the
-    methods the engine runs (`kvtrim.vllm.spec`) keep a number that depends on the length only, so the method
-    runs on stand-in keys of that length (one layer, one KV head). The scheduler frees blocks by it; the worker
-    checks its real compaction against it."""
-    g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 1, prompt_tokens, 8, generator=g)
-    return prompt_tokens - kept_positions(method, [(k, v)])[0].shape[-1]
+def compact_request(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, prompt_tokens: int, stored: int,
+                    method: EvictionMethod) -> int:
+    """The compaction of a request whose first forward computes its `stored` tokens, `prompt_tokens` of
+    them its prompt (after it: a recomputed request's generated tokens, an append): entries discarded."""
+    steps = forward_steps(0, stored, prompt_tokens)
+    return compact(kv_caches, block_ids, method, RequestEntries(), steps, stored, prompt_tokens)
 
 
 def blocks_needed(entries: int, block_size: int) -> int:
     """Blocks that hold a request's first `entries` stored entries (what it keeps after a compaction)."""
     return -(-entries // block_size)
-
-
-def compact_request(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, prompt_tokens: int, stored: int,
-                    method: EvictionMethod) -> int:
-    """Evict from the request's first `prompt_tokens` stored entries (its prompt) with `method`, in every layer's
-    cache `(num_blocks, kv_heads, block_size, 2 * head_dim)`; the `stored - prompt_tokens` entries after the
-    prompt (a recomputed request's generated tokens) move down behind the kept ones. Returns the number of
-    entries discarded (the same in every layer and head)."""
-    layers = [read_request(kv, block_ids, stored) for kv in kv_caches]
-    kept = kept_positions(method, [(k[:, :prompt_tokens], v[:, :prompt_tokens]) for k, v in layers])
-    n_keep = kept[0].shape[-1]
-    if n_keep == prompt_tokens:
-        return 0
-    tail = torch.arange(prompt_tokens, stored).expand(kept[0].shape[0], -1)
-    for kv, (k, v), pos in zip(kv_caches, layers, kept):
-        idx = torch.cat([pos, tail], dim=-1)[..., None].expand(-1, -1, k.shape[-1])  # (h, m, d)
-        write_request(kv, block_ids, k.gather(1, idx), v.gather(1, idx))
-    return prompt_tokens - n_keep

@@ -49,9 +49,11 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     return keys[blk, :, :, off].transpose(0, 1).contiguous(), values[blk, :, off].transpose(0, 1).contiguous()
 
 
-def write_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Store `keys`, `values` `(kv_heads, m, head_dim)` as the request's tokens 0..m-1 (in place)."""
+def write_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  start: int = 0) -> None:
+    """Store `keys`, `values` `(kv_heads, m, head_dim)` as the request's tokens `start`..`start + m - 1` (in place)."""
     k_half, v_half = _halves(kv_cache)
-    blk, off = _slots(block_ids, keys.shape[1], kv_cache.shape[2])
+    blk, off = _slots(block_ids, start + keys.shape[1], kv_cache.shape[2])
+    blk, off = blk[start:], off[start:]
     k_half[blk, :, :, off] = keys.transpose(0, 1).to(kv_cache.dtype)
     v_half[blk, :, off] = values.transpose(0, 1).to(kv_cache.dtype)

