@@ -266,9 +266,10 @@ def _header(cfg: dict, args, out: str, n_samples: int) -> str:
     return "\n".join(lines)
 
 
-def _estimate(jobs, out: str, settings, tok, config) -> str:
-    """The line printed before a run: its pending runs and their estimated wall time (`kvtrim.eval.estimate`)."""
-    from kvtrim.eval.estimate import approx_params, estimate
+def _estimate(jobs, out: str, settings, tok, config, model=None) -> str:
+    """The line printed before a run: its pending runs and their estimated wall time (`kvtrim.eval.estimate`),
+    with rates probed on `model` when it is loaded here."""
+    from kvtrim.eval.estimate import REFERENCE, answer_steps, approx_params, decode_share, estimate, probe_rates
     from kvtrim.eval.prompt import PromptFormat
     from kvtrim.eval.runner import pending_units, sample_budget
     from kvtrim.methods.base import KvtrimError
@@ -294,17 +295,24 @@ def _estimate(jobs, out: str, settings, tok, config) -> str:
     def shares(methods) -> bool:
         return settings.reuse_prefill and settings.prefill_chunk_size is None and sum(map(reusable, methods)) >= 2
 
-    def answer_tokens(sample) -> int:
-        return max(len(tok(a, add_special_tokens=False).input_ids) for a in sample.answers)
+    def steps_min(metric: str, answers: list[str]) -> int:
+        return answer_steps(metric, [len(tok(a, add_special_tokens=False).input_ids) for a in answers])
 
     from kvtrim.eval.kvzip_reuse import scoring_key
 
     shares_scores = settings.reuse_prefill and settings.prefill_chunk_size is None  # as Runner._kvzip_contexts
     if not pending:
         return f"all {len(jobs)} runs are already in {out}/results.jsonl"
-    found = estimate(pending, encoded, build, reusable, shares, answer_tokens,
-                     lambda s: sample_budget(s, settings.max_new_tokens), approx_params(config),
-                     scoring_key=scoring_key if shares_scores else (lambda method: None))
+    from kvtrim.eval.runner import load_rows
+
+    used = decode_share(load_rows(out), lambda row: steps_min(row["metric"], row["answers"]))
+    rates, params = REFERENCE, approx_params(config)
+    if model is not None:  # at the sweep's typical context length (attention's cost grows with it)
+        lengths = sorted(n for n, _ in encoded.values())
+        rates, params = probe_rates(model, min(lengths[len(lengths) // 2], 8192)), 1
+    found = estimate(pending, encoded, build, reusable, shares, lambda s: steps_min(s.metric, s.answers),
+                     lambda s: sample_budget(s, settings.max_new_tokens), params, rates=rates,
+                     scoring_key=scoring_key if shares_scores else (lambda method: None), shares_used=used)
     return found.line()
 
 
@@ -357,7 +365,7 @@ def cmd_eval(args) -> int:
     check_run_settings(out, settings)  # resuming with other settings is refused before the weights load
     torch.manual_seed(args.seed)
     jobs = plan(samples, cfg["specs"], cfg["ratios"], cfg["budgets"])
-    if not args.quiet:
+    if not args.quiet and cfg["ray"] is not None:  # no model here: the reference rates
         print(_estimate(jobs, out, settings, tok, config), flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     if cfg["ray"] is not None:  # the workers load the model; the driver only writes the rows
@@ -367,6 +375,8 @@ def cmd_eval(args) -> int:
                           progress=not args.quiet, plugins=args.plugin)
     else:
         model, tok = load_model(cfg["model"], dtype=cfg["dtype"], device=args.device)
+        if not args.quiet:  # rates probed on the model as loaded (a few seconds)
+            print(_estimate(jobs, out, settings, tok, config, model=model), flush=True)
         runner = Runner(model, tok, settings, out, progress=not args.quiet)
     finished = False
     try:
