@@ -4,6 +4,8 @@ Steps are driven by hand: `schedule()`, then `update_from_output()` with one sam
 prompt is done (what the worker would return). The kept counts are checked against a `TrimCache` run on
 random keys of the same length (the method as `model.generate` runs it). Run from .venv-serve."""
 
+import re
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
@@ -39,12 +41,17 @@ METHODS = ["streaming:compression_ratio=0.75", "lagkv:compression_ratio=0.75:lag
            "keydiff:compression_ratio=0.5", "knorm:compression_ratio=0.6"]
 
 
-def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32) -> TrimScheduler:
+def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = None) -> VllmConfig:
     model = ModelConfig(model=str(resolve_model_dir("smollm2-135m")), dtype="float32", max_model_len=2048)
-    cfg = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
-                     scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192,
-                                                      max_model_len=2048, is_encoder_decoder=False),
-                     additional_config={"kvtrim_method": method})
+    return VllmConfig(model_config=model,
+                      cache_config=CacheConfig(**{"block_size": BLOCK, "enable_prefix_caching": False, **(cache or {})}),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192,
+                                                       max_model_len=2048, is_encoder_decoder=False),
+                      additional_config={"kvtrim_method": method})
+
+
+def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32) -> TrimScheduler:
+    cfg = make_config(method, max_seqs)
     cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
@@ -200,6 +207,66 @@ def test_preempted_request_is_compacted_again_and_nothing_leaks(spec):
             assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK)
     assert not s.has_requests() and preempted > 0
     assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
+
+
+def test_a_failed_compaction_ends_that_request_only():
+    """The worker names a request whose compaction failed in the step's output (`FAILED_ATTR`): the scheduler
+    ends it with an error instead of freeing blocks by its count, returns all its blocks, and the other
+    requests run to their end."""
+    from kvtrim.vllm.compact import FAILED_ATTR
+
+    s = make_scheduler(40)
+    add(s, 2, 160, 8, "keydiff:compression_ratio=0.75")
+    out = s.schedule()  # both prompts complete in this step: both are due
+    ids = list(out.num_scheduled_tokens)
+    result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[7] for _ in ids])
+    setattr(result, FAILED_ATTR, {"r0": "KeyDiff discarded 119 of 160 entries, the scheduler expected 120"})
+    outputs = s.update_from_output(out, result)
+    ended = [o for client in outputs.values() for o in client.outputs if o.request_id == "r0" and o.finish_reason]
+    assert len(ended) == 1 and ended[0].finish_reason.name == "ERROR"
+    assert "r0" not in s.requests and s.kvtrim_failed_requests == 1
+    assert free_blocks(s) == 40 - held(s, "r1") and held(s, "r1") == 3  # r1 compacted to 40 entries: 3 blocks
+    run_all(s)
+    assert free_blocks(s) == 40 and not s.kv_cache_manager.kvtrim_counts
+
+
+@pytest.mark.parametrize("cache, async_scheduling, words", [
+    ({"cache_dtype": "fp8"}, False, "quantised KV cache (--kv-cache-dtype fp8)"),
+    (None, True, "async scheduling"),
+    ({"enable_prefix_caching": True}, False, "prefix caching"),
+])
+def test_features_that_break_compaction_are_refused_at_start(cache, async_scheduling, words):
+    from kvtrim.methods.base import KvtrimError
+    from kvtrim.vllm.config import refuse_features
+
+    cfg = make_config(cache=cache)
+    # vLLM's CPU platform turns async scheduling off while it builds the config; GPU platforms keep it on
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    with pytest.raises(KvtrimError, match=re.escape(words)) as err:
+        refuse_features(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_sliding_window_and_alibi_models_are_refused():
+    from kvtrim.methods.base import KvtrimError
+    from kvtrim.vllm.config import refuse_features
+
+    cfg = make_config()
+    refuse_features(cfg)  # SmolLM2: plain full attention
+    cfg.model_config.hf_text_config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(KvtrimError, match=r"sliding-window or hybrid layers \(sliding_attention\)"):
+        refuse_features(cfg)
+    cfg.model_config.hf_text_config.layer_types = None
+    cfg.model_config.hf_text_config.sliding_window = 512
+    with pytest.raises(KvtrimError, match="sliding window 512"):
+        refuse_features(cfg)
+    cfg.model_config.hf_text_config.sliding_window = None
+    cfg.model_config.hf_text_config.alibi = True
+    with pytest.raises(KvtrimError, match="ALiBi"):
+        refuse_features(cfg)
+    del cfg.model_config.hf_text_config.alibi
+    refuse_features(cfg)
 
 
 def test_aborted_request_frees_its_blocks():

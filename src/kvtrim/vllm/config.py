@@ -13,7 +13,9 @@ def server_method(vllm_config) -> str:
 
 
 def refuse_features(vllm_config) -> None:
-    """One-line refusals of what would share or replay compacted blocks."""
+    """One-line refusals, at start, of what compaction would break: shared or replayed blocks, a step scheduled
+    before the last one's blocks are freed, attention that depends on where an entry is stored, entries not
+    stored in the model's dtype, layers whose caches are not plain full attention."""
     if vllm_config.cache_config.enable_prefix_caching:
         raise KvtrimError("kvtrim's vLLM worker refuses prefix caching (compacted blocks must not be shared): "
                           "pass --no-enable-prefix-caching")
@@ -21,3 +23,23 @@ def refuse_features(vllm_config) -> None:
         raise KvtrimError("kvtrim's vLLM worker refuses speculative decoding (drafts would replay evicted entries)")
     if vllm_config.parallel_config.world_size > 1:
         raise KvtrimError("kvtrim's vLLM worker runs on one worker only (tensor/pipeline parallel size 1)")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise KvtrimError("kvtrim's vLLM worker refuses async scheduling (the next step would be scheduled before "
+                          "this step's compaction frees its blocks): pass --no-async-scheduling")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise KvtrimError(f"kvtrim's vLLM worker refuses a quantised KV cache (--kv-cache-dtype {cache_dtype}): "
+                          "methods score and move entries in the model's dtype")
+    model = vllm_config.model_config
+    if model is None:
+        return
+    if model.uses_alibi:
+        raise KvtrimError("kvtrim's vLLM worker refuses ALiBi models (their attention bias follows where an entry "
+                          "is stored, which compaction changes)")
+    layer_types = getattr(model.hf_text_config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ("attention", "full_attention")})
+    if model.get_sliding_window() is not None or other or model.is_hybrid:
+        window = model.get_sliding_window()
+        what = ", ".join(other) if other else (f"sliding window {window}" if window is not None else "hybrid")
+        raise KvtrimError(f"kvtrim's vLLM worker refuses models with sliding-window or hybrid layers ({what}): every "
+                          "layer must be plain full attention sharing one block table")
