@@ -191,6 +191,13 @@ class TrimLayer(StoredLayer):
             check(phase not in (Phase.PREFILL, Phase.SCORE) or self.prompt_tokens is None,
                   "the prompt of this cache already ended: later forwards are appends or decode steps")
             return phase, ends, info
+        length = None if owner is None else owner.prompt_length
+        if self.prompt_tokens is None and length is not None:
+            check(self.seen + q <= length or self.seen >= length,
+                  f"this forward brings the cache to {self.seen + q} tokens, past the prompt_length={length} it was "
+                  "given: the prompt must end at the end of a forward")
+            if self.seen < length:  # evict inside the forward that ends the prompt, each layer after its attention
+                return Phase.PREFILL, self.seen + q == length and not self.method.cross_layer, None
         if self.prompt_tokens is None and (q > 1 or self.seen == 0):
             return Phase.PREFILL, False, None
         return (Phase.APPEND if q > 1 else Phase.DECODE), False, None
@@ -504,8 +511,14 @@ class TrimCache(Cache):
         in_place_decode: decode steps of methods that evict one entry per step (H2O, TOVA, StreamingLLM
             with a budget) reuse the freed slot instead of copying the layer (default True; storage order
             is then slot order, see the module docstring); False: every step copies, as before.
+        prompt_length: the prompt's length in tokens (columns of a padded batch), when known: the forward
+            that completes it ends the prompt and every layer evicts right after its attention in that
+            forward (the lowest peak: one layer's whole prompt at a time, as `kvtrim.prefill`). Without it
+            every layer holds its whole prompt until the prompt ends at the first decode step (the same
+            kept entries and tokens, a higher peak). A forward running past it is an error. Cross-layer
+            methods (AdaKV) still end the prompt after the forward, at the first decode step.
 
-    Use: `model.generate(input_ids, cache=TrimCache(LagKV(), config=model.config))`.
+    Use: `model.generate(ids, cache=TrimCache(LagKV(), config=model.config, prompt_length=ids.shape[-1]))`.
 
     Padded batches (`model.generate(ids, attention_mask=mask, cache=TrimCache(method))` with left padding,
     or right padding in a prefill forward) need kvtrim's attention (`kvtrim.enable(model)` /
@@ -515,14 +528,23 @@ class TrimCache(Cache):
     entries are those of the sequence run alone (budgets and `compression_ratio` per sequence).
 
     The prompt: everything before the first generated token, unless told otherwise. `kvtrim.prefill`
-    and `kvtrim.compress` declare their forwards (`phase(...)`) and end the prompt themselves; after a
-    plain `model(ids, cache=cache)` call the prompt ends at the first single-token forward, or when
+    and `kvtrim.compress` declare their forwards (`phase(...)`) and end the prompt themselves; with
+    `prompt_length=` the forward reaching that length ends it; otherwise, after a plain
+    `model(ids, cache=cache)` call, the prompt ends at the first single-token forward, or when
     `end_prompt()` is called. Later multi-token forwards are appends (a question, a new turn).
     """
 
     def __init__(self, method: EvictionMethod | None = None, config=None, padded: bool = False,
-                 in_place_decode: bool = True):
+                 in_place_decode: bool = True, prompt_length: int | None = None):
         check(isinstance(padded, bool), f"padded must be true or false, got {padded!r}")
+        check(prompt_length is None or (isinstance(prompt_length, int) and not isinstance(prompt_length, bool)
+                                        and prompt_length >= 1),
+              f"prompt_length must be a positive number of tokens, got {prompt_length!r}")
+        #: the prompt's length when known before its forwards (`model.generate`'s input length): the forward
+        #: that reaches it ends the prompt, and each layer evicts right after its own attention in that
+        #: forward, so no layer holds its whole prompt past its turn (None: the prompt ends at the first
+        #: single-token forward or at `end_prompt()`, every layer holding its whole prompt until then)
+        self.prompt_length = prompt_length
         check(isinstance(in_place_decode, bool), f"in_place_decode must be true or false, got {in_place_decode!r}")
         #: decode steps that evict one entry per row reuse its slot instead of copying the layer (methods
         #: with `in_place_decode`; see the module docstring); False: the copying path

@@ -42,7 +42,8 @@ def generate(
     tokenizer=None,
     **generate_kwargs,
 ) -> tuple[torch.Tensor, TrimCache]:
-    """`model.generate` with a fresh `TrimCache(method)` (greedy unless told otherwise).
+    """`model.generate` with a fresh `TrimCache(method, prompt_length=n)` (greedy unless told otherwise): the
+    prompt's last forward evicts each layer right after its attention.
 
     `prefill_chunk_size`: feed the prompt in chunks of this many tokens (None: one forward); "auto"
     uses the method's block size when it has one (KeyDiff), so the prefill's memory stays bounded.
@@ -63,6 +64,7 @@ def generate(
         ctx = compress(model, input_ids[:, :-1], method, chunk_size=prefill_chunk_size, tokenizer=tokenizer,
                        attention_mask=None if mask is None else mask[:, :-1])
         return ctx.generate(input_ids[:, -1:], max_new_tokens, cache=ctx.cache, **generate_kwargs), ctx.cache
+    fresh = cache is None
     cache = cache if cache is not None else TrimCache(method, config=model.config)
     if prefill_chunk_size == "auto":
         prefill_chunk_size = cache.method.prefill_block_size()
@@ -72,6 +74,9 @@ def generate(
         input_ids, mask, widths = padded_layout(as_sequences(input_ids, mask), prefill_chunk_size,
                                                 pad_token_id(model) or 0)
         n = input_ids.shape[-1]
+    if fresh:  # the prompt is known: each layer evicts right after its attention in the forward that ends it
+        cache.prompt_length = n
+    if padded and prefill_chunk_size is not None:
         if len(widths) > 1:
             prefill_padded(model, input_ids, mask, widths[:-1], cache, end_prompt=False)
     elif prefill_chunk_size is not None:

@@ -68,7 +68,7 @@ class RunStats:
 
 def add_ray_arguments(parser, unit: str) -> None:
     """The `--ray*` flags, the same in every subcommand; `unit` says what one worker runs at a time."""
-    r = parser.add_argument_group("scale-out on Ray (needs kvtrim[ray]; see README, 'Sweeps on several GPUs or nodes')")
+    r = parser.add_argument_group("scale-out on Ray (needs kvtrim[ray]; see docs/cli.md, 'Sweeps on several GPUs or nodes')")
     r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help=f"spread the {unit} over Ray workers: a local cluster (no ADDRESS), `auto` "
                         "(the running cluster) or ray://HOST:PORT")

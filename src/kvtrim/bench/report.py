@@ -1,4 +1,4 @@
-"""Markdown tables (for the README) regenerated from benchmark JSON files.
+"""Markdown tables (for docs/results-speed.md, via benchmarks/update_readme.py) regenerated from benchmark JSON files.
 
     python -m kvtrim.bench.report benchmarks/bench     # rewrites README.md, DETAILS.md and the plots there
 """
@@ -251,7 +251,7 @@ def _results(directory: pathlib.Path) -> list[tuple[pathlib.Path, dict]]:
 def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots: bool = True) -> pathlib.Path:
     """From every `*.json` bench result in `directory`: `DETAILS.md` (every table, the plots; with `plots`
     the PNGs are redrawn) and the compact `README.md` (headline tables, targets, the kvpress comparison),
-    which `benchmarks/update_readme.py` copies into the project README."""
+    which `benchmarks/update_readme.py` copies into docs/results-speed.md."""
     from kvtrim.bench.plots import plot_all
 
     directory = pathlib.Path(directory)
