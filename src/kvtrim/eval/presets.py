@@ -15,11 +15,11 @@
   ruler-16k). For a GPU: `--device cuda --dtype bfloat16`. Samples per task: 50 (4k) / 25 (16k), i.e.
   ~8-16k (method, ratio, sample) rows, a few GPU hours with a 0.5B model; kvpress and the paper use 500
   (`--samples 500`). Interrupted runs resume.
-* `qwen-rank` (issue 25's ranking run, prepared, not yet run): qwen2.5-coder-0.5b on RULER's essay niah
+* `qwen-rank` (issue 25's ranking run, in progress: benchmarks/qwen_rank/): qwen2.5-coder-0.5b on RULER's essay niah
   tasks (`--haystack essay`), niah_single_1, vt, fwe and cwe at 2048 tokens, 25 samples per task, full and
-  13 method specs (every method, KVzip at both levels, AdaKV around SnapKV / KeyDiff / KNorm) at 0.5 and
+  12 method specs (every method, KVzip at both levels, AdaKV around SnapKV / KeyDiff / KNorm) at 0.5 and
   0.75, answers capped at 64 tokens, bfloat16 (on these tasks with the full cache: the same score on 27/27
-  samples as float32, 1.86x faster: benchmarks/eval_dtype/). 225 samples x 27 runs = 6,075 rows; `kvtrim
+  samples as float32, 1.86x faster: benchmarks/eval_dtype/). 225 samples x 25 runs (full + 12 specs x 2 ratios) = 5,625 rows; `kvtrim
   eval` prints its estimated cost before it starts (the full cache alone: 281 s for 27 samples here).
 * `reasoning`: decode-time eviction on a long answer that refers back (CPU, 2 cores): qwen2.5-coder-0.5b
   (the one offline model that solves a reasoning task with the full cache) on `list_recall` at 1024 tokens
