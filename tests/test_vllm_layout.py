@@ -11,7 +11,7 @@ vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU buil
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
-from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, compact_request, forward_steps  # noqa: E402
+from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, forward_steps  # noqa: E402
 from kvtrim.vllm.layout import check_isa, read_request, write_request  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
@@ -109,7 +109,8 @@ def test_compaction_keeps_trimcache_positions(spec, dtype):
     blocks = torch.tensor([11, 1, 6, 3, 8, 0])
     caches, originals = request_caches(blocks, stored, n_layers, dtype, seed=2)
     expected = reference_kept(method, originals, prompt)
-    gone = compact_request(caches, blocks, prompt, stored, method)
+    # a request whose first forward computes its prompt and `tail` more tokens (a recomputed request)
+    gone = compact(caches, blocks, method, RequestEntries(), forward_steps(0, stored, prompt), stored, prompt)
     assert gone == stored - expected[0].shape[-1] > 0
     assert_holds(caches, blocks, originals, expected)
 

@@ -78,12 +78,6 @@ class StoredCounts:
         return self.cache.layers[0] if self.cache.layers else None
 
     @property
-    def seen(self) -> int:
-        """Tokens told to the method so far."""
-        layer = self._layer
-        return 0 if layer is None else layer.seen
-
-    @property
     def discarded(self) -> int:
         """Entries discarded so far (tokens seen minus entries stored)."""
         layer = self._layer
@@ -160,14 +154,6 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     check(len(kept) == 1, f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept)})")
     entries.positions, entries.seen, entries.states = new_positions, end, new_states
     return end - kept.pop()
-
-
-def compact_request(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, prompt_tokens: int, stored: int,
-                    method: EvictionMethod) -> int:
-    """The compaction of a request whose first forward computes its `stored` tokens, `prompt_tokens` of
-    them its prompt (after it: a recomputed request's generated tokens, an append): entries discarded."""
-    steps = forward_steps(0, stored, prompt_tokens)
-    return compact(kv_caches, block_ids, method, RequestEntries(), steps, stored, prompt_tokens)
 
 
 def blocks_needed(entries: int, block_size: int) -> int:
