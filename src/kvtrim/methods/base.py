@@ -325,6 +325,15 @@ class EvictionMethod:
         """The prefill chunk this method is designed for (None: the prompt in one forward)."""
         return None
 
+    def peak_stored(self, prompt_tokens: int, total_tokens: int) -> int | None:
+        """The most entries one layer holds at once after its prompt (inside a decode step's forward, before
+        its eviction; what it keeps when the prompt ends if nothing is decoded) when a prompt of
+        `prompt_tokens` is read in one forward and tokens are then decoded one per step up to `total_tokens`:
+        what a server reserves for a request once its prompt is in (the prompt's own forward holds the
+        whole prompt). None when the method cannot say from token counts alone (a caller then assumes
+        `total_tokens`)."""
+        return None
+
     def check_config(self, config: Any) -> None:
         """Refuse a model this method cannot run on (a one-line `KvtrimError`); called with the model's
         config when a `TrimCache` is built with `config=` and by the CLI before weights load."""
@@ -482,6 +491,24 @@ class ScoringMethod(EvictionMethod):
 
     def prefill_block_size(self) -> int | None:
         return self.schedule().block_size
+
+    def peak_stored(self, prompt_tokens: int, total_tokens: int) -> int | None:
+        # the base's rule (`target`): the prompt ends at its budget; decoding grows the layer to
+        # `budget + decode_slack` before it evicts, or to the end when decoding never evicts. A subclass
+        # that decides when to evict itself (its own `target` / hooks) says nothing; so far neither does one fed
+        # attention (its counts follow the same rule, but only a run with attention could check it).
+        own = ("target", "evict_if_due", "on_update", "on_prompt_end", "fixed_budget")
+        if self.waits_for_attention or any(getattr(type(self), name) is not getattr(ScoringMethod, name) for name in own):
+            return None
+        return self._scheduled_peak(prompt_tokens, total_tokens)
+
+    def _scheduled_peak(self, prompt_tokens: int, total_tokens: int) -> int:
+        """`peak_stored` by the base's rule (for subclasses whose hooks end in it)."""
+        budget = self.budget if self.budget is not None else kept_count(prompt_tokens, self.compression_ratio)
+        after_prompt = min(prompt_tokens, budget)
+        slack = self.schedule().decode_slack
+        grown = after_prompt + total_tokens - prompt_tokens
+        return grown if slack is None else min(grown, budget + slack)
 
 
 # ---- shared selection helpers -----------------------------------------------------------------------
