@@ -8,9 +8,11 @@
 #   make serve     - `kvtrim serve` on SmolLM2 with KeyDiff at half the prompt (OpenAI API on 127.0.0.1:8000)
 #   make bench-serving - plain vLLM vs `kvtrim serve` under one concurrent load (benchmarks/serving/README.md; long,
 #                 needs a quiet machine; not part of `make test`). Extra flags: make bench-serving ARGS="--resume"
+#   make bench-serving-long - the long-generation load: short prompts, 2,000 output tokens each, methods at a
+#                 budget of 512 entries that evict while decoding (benchmarks/serving/README.md)
 # `make test` also builds .venv-serve and runs the plugin's tests there (tests/test_vllm_*.py: vLLM pulls an
 # older transformers than kvtrim's core needs, so they run in their own environment).
-.PHONY: setup demo test test-fast test-slow serve-env serve bench-serving
+.PHONY: setup demo test test-fast test-slow serve-env serve bench-serving bench-serving-long
 
 VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_scheduler.py tests/test_vllm_server.py
 
@@ -35,6 +37,11 @@ serve: serve-env
 # setup: the plot runs from .venv (matplotlib is not in .venv-serve)
 bench-serving: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results $(ARGS)
+
+LONG_METHODS = keydiff:budget=512,streaming:budget=512,lagkv:keep_ratio=0.125
+bench-serving-long: setup serve-env
+	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long --requests 16 \
+		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
 
 test-slow: setup
 	.venv/bin/python -m pytest -q -m slow --durations=0

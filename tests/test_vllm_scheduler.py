@@ -22,6 +22,7 @@ from kvtrim.cache import TrimCache  # noqa: E402
 from kvtrim.methods.base import Phase  # noqa: E402
 from kvtrim.models import resolve_model_dir  # noqa: E402
 from kvtrim.specs import parse_method_spec  # noqa: E402
+from kvtrim.vllm.compact import PLAN_ATTR  # noqa: E402
 from kvtrim.vllm.scheduler import CompactingKVCacheManager, TrimScheduler  # noqa: E402
 
 BLOCK = 16
@@ -41,17 +42,18 @@ METHODS = ["streaming:compression_ratio=0.75", "lagkv:compression_ratio=0.75:lag
            "keydiff:compression_ratio=0.5", "knorm:compression_ratio=0.6"]
 
 
-def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = None) -> VllmConfig:
+def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = None, admission=None) -> VllmConfig:
     model = ModelConfig(model=str(resolve_model_dir("smollm2-135m")), dtype="float32", max_model_len=2048)
     return VllmConfig(model_config=model,
                       cache_config=CacheConfig(**{"block_size": BLOCK, "enable_prefix_caching": False, **(cache or {})}),
                       scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192,
                                                        max_model_len=2048, is_encoder_decoder=False),
-                      additional_config={"kvtrim_method": method})
+                      additional_config={"kvtrim_method": method,
+                                         **({"kvtrim_admission": admission} if admission is not None else {})})
 
 
-def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32) -> TrimScheduler:
-    cfg = make_config(method, max_seqs)
+def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32, admission=None) -> TrimScheduler:
+    cfg = make_config(method, max_seqs, admission=admission)
     cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
@@ -65,14 +67,15 @@ def add(s: TrimScheduler, n: int, prompt: int, new_tokens: int, spec: str | None
         s.add_request(Request(f"r{i}", list(range(100 + i, 100 + i + prompt)), params, None))
 
 
-def step(s: TrimScheduler) -> dict[str, int]:
-    """One engine step with a fake model: a token for every request whose scheduled tokens reach its end."""
+def step(s: TrimScheduler, plans: bool = False):
+    """One engine step with a fake model: a token for every request whose scheduled tokens reach its end.
+    Returns the tokens scheduled per request (and with `plans`, the compactions planned for the worker)."""
     out = s.schedule()
     ids = list(out.num_scheduled_tokens)
     sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
     s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                                 sampled_token_ids=sampled))
-    return out.num_scheduled_tokens
+    return (out.num_scheduled_tokens, getattr(out, PLAN_ATTR).due) if plans else out.num_scheduled_tokens
 
 
 def free_blocks(s: TrimScheduler) -> int:
@@ -115,9 +118,16 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
     prompt = 200
     s = make_scheduler(200)
     add(s, 3, prompt, 8, spec)
-    step(s)  # the three prompts in one forward, then compaction
+    out = s.schedule()  # the three prompts in one forward, then compaction
     kept = reference_kept(spec, prompt)
     assert kept < prompt
+    # the plan the worker gets with the step: compact all three to the count the blocks are freed by
+    plan = getattr(out, PLAN_ATTR)
+    assert sorted(plan.due) == ["r0", "r1", "r2"] and plan.seconds >= 0
+    assert {(d.end, d.discarded, d.steps[0][1]) for d in plan.due.values()} == {(prompt, prompt - kept, True)}
+    ids = list(out.num_scheduled_tokens)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                sampled_token_ids=[[7]] * 3))
     need = -(-kept // BLOCK)
     for i in range(3):
         assert held(s, f"r{i}") == need, (spec, kept)
@@ -125,7 +135,7 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
     assert s.kvtrim_freed_blocks == 3 * (-(-prompt // BLOCK) - need)
     # decoding allocates by what is stored: a new block only when the kept entries fill theirs
     for t in range(1, 7):  # request finishes at its 8th token
-        step(s)
+        assert not step(s, plans=True)[1]  # a prompt-end method plans nothing while decoding
         assert held(s, "r0") == -(-(kept + t) // BLOCK)
     run_all(s)
     assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded
@@ -192,21 +202,67 @@ def test_compaction_runs_more_requests_at_once(spec):
 
 @pytest.mark.parametrize("spec", ["streaming:compression_ratio=0.75", "lagkv:lag_size=16:sink_size=4"])
 def test_preempted_request_is_compacted_again_and_nothing_leaks(spec):
-    """Decoding outgrows a 12-block pool: vLLM preempts, the request is recomputed from its tokens (prompt +
+    """A full-cache request (reserved nothing: admitted as vLLM admits) outgrows a 12-block pool: vLLM
+    preempts the compacted request admitted after it, which is recomputed from its tokens (prompt +
     generated) and compacted again; its old count goes with its blocks."""
     s = make_scheduler(12)
-    add(s, 3, 64, 80, spec)  # 64 -> 16 kept (1 block); 80 new tokens grow each to 6 blocks
+    add(s, 1, 64, 80, "full")  # 4 blocks, growing to 9
+    add(s, 2, 64, 80, spec, start=1)  # 64 -> 16 kept (1 block); 80 new tokens grow each to 6 blocks
     preempted = 0
     for _ in range(2000):
         if not s.has_requests():
             break
         step(s)
-        preempted = max([preempted] + [r.num_preemptions for r in s.requests.values()])
+        preempted = max([preempted] + [r.num_preemptions for r in s.requests.values() if r.request_id != "r0"])
         for r in s.running:  # what each holds is what it stores (token count minus what it discarded)
             gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
             assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK)
     assert not s.has_requests() and preempted > 0
     assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=32:block_size=16", "streaming:budget=40",
+                                  "lagkv:lag_size=8:keep_ratio=0.25:sink_size=4"])
+def test_admission_by_peak_never_preempts(spec):
+    """Requests are admitted by their method's peak (`peak_stored`), not by their prompt: short prompts that
+    would all fit at first are admitted only as many as the pool holds at their peaks, and none is ever
+    preempted (vLLM alone would admit six 2-block prompts, then preempt as they grow)."""
+    method = parse_method_spec(spec).build()
+    peak = -(-method.peak_stored(20, 220) // BLOCK)
+    assert 3 <= peak <= 6
+    s = make_scheduler(12)
+    add(s, 8, 20, 200, spec)
+    most = 0
+    for _ in range(5000):
+        if not s.has_requests():
+            break
+        most = max(most, len(step(s)))
+        assert all(r.num_preemptions == 0 for r in s.requests.values())
+        assert sum(held(s, r.request_id) for r in s.running) <= 12
+    assert not s.has_requests() and most == 12 // peak
+    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_reserved
+
+
+def test_admission_as_vllm_admits_eagerly_and_preempts():
+    """`kvtrim serve --admission vllm`: the same load as above is admitted by its prompts (six at first) and
+    preempted as it grows; blocks still follow the stored counts and nothing leaks."""
+    s = make_scheduler(12, admission="vllm")
+    add(s, 8, 20, 200, "keydiff:budget=32:block_size=16")
+    most, preempted = 0, 0
+    for _ in range(5000):
+        if not s.has_requests():
+            break
+        most = max(most, len(step(s)))
+        preempted = max([preempted] + [r.num_preemptions for r in s.requests.values()])
+    assert not s.has_requests() and most == 6 and preempted > 0
+    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_reserved
+
+
+def test_a_bad_admission_is_refused_at_start():
+    from kvtrim.methods.base import KvtrimError
+
+    with pytest.raises(KvtrimError, match=r"^kvtrim_admission must be one of peak, vllm, got 'lazy'$"):
+        make_scheduler(12, admission="lazy")
 
 
 def test_a_failed_compaction_ends_that_request_only():

@@ -228,11 +228,12 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
 
 
 def test_preempted_compacted_requests_are_recomputed(server, prompts):
-    """A 12-block pool: four compacted requests (KeyDiff at 0.75 keeps ~225 of ~900 entries, 2 blocks) that
-    each grow by 200 tokens outgrow it, so vLLM preempts; a preempted request is recomputed from its tokens,
+    """A 12-block pool admitting as vLLM does (`--admission vllm`): four compacted requests (KeyDiff at 0.75
+    keeps ~225 of ~900 entries, 2 blocks) that each grow by 200 tokens outgrow it, so vLLM preempts; a preempted request is recomputed from its tokens,
     compacted again, and answers as it does on a pool large enough for all four."""
     spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
-    small = Server(method="full", extra=["--num-gpu-blocks-override", "12", "--max-model-len", "1280"])
+    small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12",
+                                         "--max-model-len", "1280"])
     try:
         texts = [s.prompt for s in prompts[:4]]
 

@@ -70,3 +70,20 @@ def test_installed_methods_are_found(monkeypatch):
         METHODS.pop("width_dependent", None)
         sys.modules.pop("kvtrim_contract_breaker", None)
         spec._method.cache_clear()
+
+
+def test_serve_hands_method_and_admission_to_vllm(capsys):
+    """`kvtrim serve --dry-run` prints the vLLM command: the server's method and admission go to the scheduler
+    and worker through `--additional-config`; a bad admission is one argparse line."""
+    pytest.importorskip("vllm", reason="kvtrim serve needs vLLM's CPU build (.venv-serve)")
+    from kvtrim.cli import main
+
+    assert main(["serve", "--model", "smollm2-135m", "--method", "keydiff:budget=64", "--admission", "vllm",
+                 "--dry-run"]) == 0
+    line = capsys.readouterr().out
+    assert """--additional-config {"kvtrim_method": "keydiff:budget=64", "kvtrim_admission": "vllm"}""" in line
+    assert main(["serve", "--model", "smollm2-135m", "--dry-run"]) == 0
+    assert '"kvtrim_admission": "peak"' in capsys.readouterr().out
+    assert main(["serve", "--model", "smollm2-135m", "--admission", "lazy", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--admission: invalid choice: 'lazy'" in err[0]

@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24, help="concurrent requests, all sent at once (default 24)")
     p.add_argument("--prompt-tokens", type=int, default=3000, help="passkey prompt length in tokens (default 3000)")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                   help=f"vLLM's --max-model-len of every server (default {MAX_MODEL_LEN})")
     p.add_argument("--seed", type=int, default=0, help="passkey keys and vLLM's --seed (default 0)")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between /metrics polls (default 0.5)")
     p.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json "
@@ -85,12 +87,12 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if args.poll <= 0:
         p.error(f"--poll must be > 0, got {args.poll}")
-    if args.prompt_tokens + args.max_tokens > MAX_MODEL_LEN:
-        p.error(f"--prompt-tokens + --max-tokens must fit --max-model-len {MAX_MODEL_LEN}, "
+    if args.prompt_tokens + args.max_tokens > args.max_model_len:
+        p.error(f"--prompt-tokens + --max-tokens must fit --max-model-len {args.max_model_len}, "
                 f"got {args.prompt_tokens + args.max_tokens}")
-    need = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1  # vLLM keeps one block of the pool aside (its null block)
+    need = -(-args.max_model_len // BLOCK_SIZE) + 1  # vLLM keeps one block of the pool aside (its null block)
     if args.blocks < need:
-        p.error(f"--blocks {args.blocks}: vLLM needs one request of --max-model-len {MAX_MODEL_LEN} to fit in "
+        p.error(f"--blocks {args.blocks}: vLLM needs one request of --max-model-len {args.max_model_len} to fit in "
                 f"{BLOCK_SIZE}-token blocks plus one: use --blocks >= {need}")
     if not args.method_list and args.no_plain:
         p.error("nothing to run: --methods is empty and --no-plain is set")
@@ -110,7 +112,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def vllm_flags(args) -> list[str]:
     return ["--num-gpu-blocks-override", str(args.blocks), "--max-num-seqs", str(args.max_num_seqs),
-            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", str(args.seed)]
+            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
 
 
 def config_of(args, samples) -> dict:

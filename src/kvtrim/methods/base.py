@@ -496,11 +496,20 @@ class ScoringMethod(EvictionMethod):
         # the base's rule (`target`): the prompt ends at its budget; decoding grows the layer to
         # `budget + decode_slack` before it evicts, or to the end when decoding never evicts. A subclass
         # that decides when to evict itself (its own `target` / hooks) says nothing; so far neither does one fed
-        # attention (its counts follow the same rule, but only a run with attention could check it).
-        own = ("target", "evict_if_due", "on_update", "on_prompt_end", "fixed_budget")
-        if self.waits_for_attention or any(getattr(type(self), name) is not getattr(ScoringMethod, name) for name in own):
+        # attention (its counts follow the same rule, but only a run with attention could check it):
+        # `counts_by_schedule`.
+        if not self.counts_by_schedule():
             return None
         return self._scheduled_peak(prompt_tokens, total_tokens)
+
+    def counts_by_schedule(self) -> bool:
+        """True when how many entries this method keeps after each forward follows from token counts by the
+        base's rule alone (`target` on the stored count), so a planner may count without keys: none of the
+        base's hooks, its budget or its (absent) per-layer state is the subclass's own, no attention is fed
+        to it, and its `score` never declines (returns None)."""
+        own = ("target", "evict_if_due", "on_update", "on_prompt_end", "fixed_budget", "observe", "new_state")
+        return not self.waits_for_attention and all(getattr(type(self), name) is getattr(ScoringMethod, name)
+                                                    for name in own)
 
     def _scheduled_peak(self, prompt_tokens: int, total_tokens: int) -> int:
         """`peak_stored` by the base's rule (for subclasses whose hooks end in it)."""

@@ -18,5 +18,9 @@ The worker overrides private methods of vLLM's model runner, so it runs on exact
 VLLM_VERSION = "0.32.0"
 #: the server's default method, read by the worker from `--additional-config '{"kvtrim_method": SPEC}'`
 CONFIG_KEY = "kvtrim_method"
+#: how the scheduler admits requests: `--additional-config '{"kvtrim_admission": "peak" | "vllm"}'`
+ADMISSION_KEY = "kvtrim_admission"
+#: "peak" (default): by their method's peak, never preempted by a later one; "vllm": as vLLM admits
+ADMISSIONS = ("peak", "vllm")
 #: the per-request method: `extra_body={"vllm_xargs": {"kvtrim": SPEC}}` (SamplingParams.extra_args)
 REQUEST_KEY = "kvtrim"

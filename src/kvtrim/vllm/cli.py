@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 from kvtrim.methods.base import KvtrimError, check
+from kvtrim.vllm import ADMISSIONS
 
 #: flags kvtrim serve sets itself, or refuses (the reason)
 _OWN = {"--worker-cls": "kvtrim serve sets the worker itself",
@@ -50,6 +51,10 @@ def add_parser(sub) -> None:
                                                   "in the local Hugging Face cache")
     p.add_argument("--method", default="full", help="the server's default method spec (a request may pick its own "
                                                     "with vllm_xargs={'kvtrim': SPEC}); default: full")
+    p.add_argument("--admission", choices=ADMISSIONS, default="peak",
+                   help="peak (default): a request is admitted when the pool holds its method's peak beside what "
+                        "the running requests may still take, so it is never preempted by a later one; vllm: as "
+                        "vLLM admits (by the prompt; growing requests are preempted when the pool runs out)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command line instead of running it")
@@ -73,7 +78,7 @@ def _libiomp() -> str | None:
 def vllm_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """The child's argv (checks first: spec, passthrough flags, model)."""
     from kvtrim.models import resolve_model_dir
-    from kvtrim.vllm import CONFIG_KEY
+    from kvtrim.vllm import ADMISSION_KEY, CONFIG_KEY
     from kvtrim.vllm.spec import method_for_vllm
 
     method_for_vllm(args.method)
@@ -85,7 +90,7 @@ def vllm_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
             "--worker-cls", "kvtrim.vllm.worker.TrimCPUWorker",
             "--scheduler-cls", "kvtrim.vllm.scheduler.TrimScheduler",
             "--logits-processors", "kvtrim.vllm.validate:MethodSpecCheck",
-            "--additional-config", json.dumps({CONFIG_KEY: args.method}),
+            "--additional-config", json.dumps({CONFIG_KEY: args.method, ADMISSION_KEY: args.admission}),
             "--no-enable-prefix-caching", *extra]
 
 

