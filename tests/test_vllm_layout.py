@@ -11,8 +11,8 @@ vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU buil
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
-from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, forward_steps  # noqa: E402
-from kvtrim.vllm.layout import check_isa, read_request, write_request  # noqa: E402
+from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, fill_holes, forward_steps  # noqa: E402
+from kvtrim.vllm.layout import check_isa, read_request, write_entries, write_request  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
 BS, H, D, NB = 32, 3, 64, 12
@@ -60,6 +60,58 @@ def test_write_lays_out_as_the_kernel(dtype):
     assert torch.equal(ours, theirs)
 
 
+def test_write_entries_is_a_read_modify_write(dtype):
+    torch.manual_seed(5)
+    blocks = torch.tensor([4, 10, 2])
+    n = 2 * BS + 3
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    kernel_write(cache, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), request_slots(blocks, n))
+    heads, slots = torch.tensor([0, 2, 2, 1]), torch.tensor([3, 0, BS + 7, 2 * BS + 2])
+    k, v = torch.randn(4, D).to(dtype), torch.randn(4, D).to(dtype)
+    want_k, want_v = read_request(cache, blocks, n)
+    want_k[heads, slots], want_v[heads, slots] = k, v
+    write_entries(cache, blocks, heads, slots, k, v)
+    got_k, got_v = read_request(cache, blocks, n)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_fill_holes_moves_only_kept_entries_past_the_kept_count():
+    """Slow reference: per head, the evicted slots below n_keep, filled in order by the kept slots past it."""
+    torch.manual_seed(6)
+    for _ in range(20):
+        h, stored = 3, 40
+        n_keep = int(torch.randint(1, stored, ()))
+        kept = torch.zeros(h, stored, dtype=torch.bool)
+        for i in range(h):
+            kept[i, torch.randperm(stored)[:n_keep]] = True
+        heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+        moves = set(zip(heads.tolist(), from_slots.tolist(), to_slots.tolist()))
+        want = set()
+        for i in range(h):
+            holes = [j for j in range(n_keep) if not kept[i, j]]
+            sources = [j for j in range(n_keep, stored) if kept[i, j]]
+            assert len(holes) == len(sources)
+            want |= {(i, a, b) for a, b in zip(sources, holes)}
+            assert sorted(order[i].tolist()) == kept[i].nonzero().flatten().tolist()
+        assert moves == want
+
+
+def test_a_streaming_decode_step_moves_one_entry_per_head():
+    """StreamingLLM over budget evicts one entry a step: the compaction moves the newest entry into its slot,
+    one write per KV head and layer, instead of shifting the whole window."""
+    method = method_for_vllm("streaming:budget=40")
+    blocks = torch.tensor([3, 8, 1])
+    prompt = 2 * BS
+    caches, _ = request_caches(blocks, prompt + 1, 1, torch.float32, seed=7)
+    entries = RequestEntries()
+    compact(caches, blocks, method, entries, forward_steps(0, prompt, prompt), prompt, prompt)
+    before = read_request(caches[0], blocks, 41)[0].clone()
+    gone = compact(caches, blocks, method, entries, forward_steps(prompt, prompt + 1, prompt), prompt + 1, prompt)
+    after = read_request(caches[0], blocks, 40)[0]
+    changed = (after != before[:, :40]).any(dim=-1)  # (h, 40): slots whose entry changed
+    assert gone == prompt + 1 - 40 and changed.sum(dim=-1).tolist() == [1] * H
+
+
 def reference_kept(method, layers, prompt):
     """TrimCache on one layer at a time, as model.generate runs it: the prompt in one forward that ends it, the
     tokens after it (a recomputed request's) as an append. Kept positions (h, n_keep) per layer."""
@@ -90,12 +142,16 @@ def request_caches(blocks, n, n_layers, dtype, seed):
     return caches, originals
 
 
-def assert_holds(caches, blocks, originals, expected):
-    """Every layer's cache holds, for every KV head, exactly its original entries at the `expected` positions."""
-    for cache, (k, v), kept in zip(caches, originals, expected):
+def assert_holds(caches, blocks, originals, expected, entries):
+    """Every layer's cache holds, for every KV head, exactly its original entries at the `expected` positions
+    (in the slot order `entries.positions` records, then the tokens after its last compaction in order)."""
+    for cache, (k, v), kept, compacted in zip(caches, originals, expected, entries.positions):
+        tail = torch.arange(entries.seen, entries.seen + kept.shape[-1] - compacted.shape[-1]).expand(H, -1)
+        slots = torch.cat([compacted, tail], dim=-1)
+        assert torch.equal(slots.sort(dim=-1).values, kept)
         got_k, got_v = read_request(cache, blocks, kept.shape[-1])
         for h in range(H):
-            assert torch.equal(got_k[h], k[h, kept[h]]) and torch.equal(got_v[h], v[h, kept[h]])
+            assert torch.equal(got_k[h], k[h, slots[h]]) and torch.equal(got_v[h], v[h, slots[h]])
 
 
 @pytest.mark.parametrize("spec", ["lagkv:compression_ratio=0.5:lag_size=32:sink_size=4", "keydiff:compression_ratio=0.5",
@@ -110,9 +166,10 @@ def test_compaction_keeps_trimcache_positions(spec, dtype):
     caches, originals = request_caches(blocks, stored, n_layers, dtype, seed=2)
     expected = reference_kept(method, originals, prompt)
     # a request whose first forward computes its prompt and `tail` more tokens (a recomputed request)
-    gone = compact(caches, blocks, method, RequestEntries(), forward_steps(0, stored, prompt), stored, prompt)
+    entries = RequestEntries()
+    gone = compact(caches, blocks, method, entries, forward_steps(0, stored, prompt), stored, prompt)
     assert gone == stored - expected[0].shape[-1] > 0
-    assert_holds(caches, blocks, originals, expected)
+    assert_holds(caches, blocks, originals, expected, entries)
 
 
 @pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:keep_ratio=0.25:lag_size=8:sink_size=2",
@@ -151,4 +208,4 @@ def test_decoding_compactions_keep_trimcache_positions(spec, dtype):
             cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
         reference.append(cache.layers[idx].kept_positions()[0])
     assert due_decodes >= 2 and gone == prompt + new - reference[0].shape[-1]
-    assert_holds(caches, blocks, originals, reference)
+    assert_holds(caches, blocks, originals, reference, entries)

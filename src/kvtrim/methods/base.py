@@ -271,6 +271,9 @@ class EvictionMethod:
     #: True when the method's decode steps can run in place (module docstring): its hooks read order from
     #: `view.positions` when `view.in_place`, return `EvictOne` for one entry per row, and `free_state` follows
     in_place_decode: ClassVar[bool] = False
+    #: True when the method's decisions read positions and counts only, never keys or values (StreamingLLM):
+    #: every layer and KV head then keeps the same positions, and kvtrim's vLLM worker decides once for all
+    positions_only: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__

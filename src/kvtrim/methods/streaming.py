@@ -39,6 +39,7 @@ class StreamingLLM(ScoringMethod):
     name = "streaming"
     summary = "attention sinks + most recent tokens (StreamingLLM)"
     in_place_decode = True
+    positions_only = True
 
     sink_size: int = 4
 

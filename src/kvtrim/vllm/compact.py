@@ -18,8 +18,11 @@ Two things follow a request through its forwards:
   worker applies the method and checks its real count against it (a disagreement ends that request only).
 * `RequestEntries` (worker): the positions of the request's stored entries per layer and the method's
   per-layer state, as of its last compaction. At a due forward, `compact` reads the stored keys and values
-  from the blocks, resumes a `TrimCache` with them (`TrimLayer.resume`), feeds it the forward's steps on
-  the real new entries, and writes what it kept back: no method is implemented a second time.
+  from the blocks, resumes a `TrimCache` with them in position order (`TrimLayer.resume`), feeds it the
+  forward's steps on the real new entries, and moves only the kept entries that lie past the kept count
+  into the slots evicted entries left (`fill_holes`; a StreamingLLM decode step moves one entry per KV
+  head): no method is implemented a second time. Stored order is then not token order, which attention
+  over stored entries does not see (RoPE is in the keys); the positions per slot are kept beside them.
 
 Forwards that are not due are not shown to the real method (reading a request's whole cache at every
 decode step would cost more than the step). That is exact for methods whose hooks, on a forward that
@@ -37,7 +40,7 @@ import torch
 
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
-from kvtrim.vllm.layout import read_request, write_request
+from kvtrim.vllm.layout import read_entries, read_request, write_entries
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
 #: compaction failed (req_id -> why, one line): the scheduler ends them with an error
@@ -176,8 +179,11 @@ def plan_forward(all_counts: dict[str, StoredCounts], req_id: str, method: Evict
 @dataclass
 class RequestEntries:
     """What the worker knows of a request's stored entries, as of its last compaction: the first `m` stored
-    entries of layer `i` hold the tokens at `positions[i]` `(kv_heads, m)` (ascending per head); the entries
-    after them are tokens `seen`, `seen + 1`, ... in order. `states`: the method's per-layer state."""
+    entries (slots) of layer `i` hold the tokens at `positions[i]` `(kv_heads, m)`, in slot order, which
+    need not be the tokens' order (compaction fills the slots evicted entries leave with kept entries from
+    the end: attention does not depend on where an entry is stored); the entries after them are tokens
+    `seen`, `seen + 1`, ... in order. `states`: the method's per-layer state (for the entries in position
+    order, as the method keeps it)."""
 
     positions: list[torch.Tensor] | None = None  # None: nothing compacted yet (entry i is token i)
     seen: int = 0
@@ -188,46 +194,95 @@ class RequestEntries:
         return 0 if self.positions is None else self.positions[0].shape[-1]
 
 
+def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which entries move so that the `n_keep` kept entries of each row of `kept` `(kv_heads, stored)` (bool,
+    `n_keep` True per row) occupy slots `0..n_keep - 1`: each slot below `n_keep` that lost its entry takes a
+    kept entry from a slot at or past `n_keep` (both in slot order). Returns the moves, `heads`, `from_slots`,
+    `to_slots` `(moves,)` each, and `order` `(kv_heads, n_keep)`: afterwards slot `j` of head `i` holds the
+    entry that was at slot `order[i, j]`."""
+    holes = (~kept[:, :n_keep]).nonzero()  # (moves, 2): row-major, so each head's holes in slot order ...
+    sources = kept[:, n_keep:].nonzero()  # ... and its sources, the same number per head
+    heads, to_slots, from_slots = holes[:, 0], holes[:, 1], sources[:, 1] + n_keep
+    order = torch.arange(n_keep).expand(kept.shape[0], -1).clone()
+    order[heads, to_slots] = from_slots
+    return heads, from_slots, to_slots, order
+
+
+def _decide(cache: TrimCache, idx: int, keys: torch.Tensor, values: torch.Tensor, slot_positions: torch.Tensor,
+            old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any):
+    """The method's decision on one layer's stored entries `(h, stored, d)` in slot order (`slot_positions`
+    `(h, stored)`; the first `old` stored before this forward): a `TrimLayer` resumed from them in position
+    order and fed the forward's `steps`. Returns the layer, what it keeps as a slot mask `(h, stored)` and the
+    kept count."""
+    h, stored = slot_positions.shape
+    # the method sees the entries in position order: the old ones sorted, this forward's after them
+    by_position = torch.cat([slot_positions[:, :old].argsort(dim=-1), torch.arange(old, stored).expand(h, -1)], -1)
+    sorted_positions = slot_positions.gather(-1, by_position)
+    layer = TrimLayer(cache.method, idx, owner=cache, in_place_decode=False)
+    cache.layers.append(layer)
+    if told:
+        k_old = keys.gather(1, by_position[:, :old, None].expand(-1, -1, keys.shape[-1]))
+        v_old = values.gather(1, by_position[:, :old, None].expand(-1, -1, values.shape[-1]))
+        layer.resume(k_old[None], v_old[None], sorted_positions[None, :, :old], told, prompt_tokens,
+                     layer.state if state is None else state)
+    start = old
+    for phase, ends, q in steps:
+        with cache.phase(phase, ends_prompt=ends):
+            cache.update(keys[None, :, start:start + q], values[None, :, start:start + q], len(cache.layers) - 1)
+        start += q
+    check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
+                               "vLLM's shared block table cannot hold")
+    pos = layer.positions[0]  # (h, n_keep), ascending
+    kept_slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
+    return layer, torch.zeros(h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
+
+
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int) -> int:
-    """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`) through `method` on the keys
-    and values stored in every layer's cache `(num_blocks, kv_heads, block_size, 2 * head_dim)`, write the
-    kept entries back in place and update `entries`. Returns the entries discarded so far (every layer and
-    KV head the same: vLLM's block table is shared)."""
+    """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
+    through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
+    2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
+    of evicted ones: `fill_holes`) and update `entries`. Returns the entries discarded so far (every layer
+    and KV head the same: vLLM's block table is shared).
+
+    A method that reads positions only (`positions_only`: StreamingLLM) decides once, on no keys, for every
+    layer whose slots hold the same positions (all of them, when it is the only method that compacted the
+    request), and only the moved entries are read."""
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
+    old = stored - (end - told)  # entries stored before this forward's tokens
+    h = kv_caches[0].shape[1]
+    first = torch.arange(entries.seen, end).expand(h, -1)
+    slot_positions = [first if entries.positions is None else torch.cat([p, first], dim=-1)
+                      for p in (entries.positions or [None] * len(kv_caches))]
+    states = entries.states or [None] * len(kv_caches)
     cache = TrimCache(method, in_place_decode=False)
-    new_positions, new_states, kept = [], [], set()
+    new_positions, new_states, kept_counts = [], [], set()
+    shared = None  # positions-only: (layer, kept mask, kept count) of the one decision
+    if method.positions_only and all(torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
+        none = torch.zeros(h, stored, 1)  # a stand-in: the method reads no keys or values
+        shared = _decide(cache, 0, none, none, slot_positions[0], old, told, steps, prompt_tokens, states[0])
     for idx, kv in enumerate(kv_caches):
-        keys, values = read_request(kv, block_ids, stored)  # (h, stored, d)
-        h = keys.shape[0]
-        first = torch.arange(entries.seen, end).expand(h, -1)
-        before = first if entries.positions is None else torch.cat([entries.positions[idx], first], dim=-1)
-        layer = TrimLayer(method, idx, owner=cache, in_place_decode=False)
-        cache.layers.append(layer)
-        old = stored - (end - told)  # entries stored before this forward's tokens
-        if told:
-            layer.resume(keys[None, :, :old], values[None, :, :old], before[None, :, :old], told,
-                         prompt_tokens, entries.states[idx] if entries.states else layer.state)
-        start = old
-        for phase, ends, q in steps:
-            with cache.phase(phase, ends_prompt=ends):
-                cache.update(keys[None, :, start:start + q], values[None, :, start:start + q], idx)
-            start += q
-        check(not layer.is_ragged, f"{type(method).__name__} kept different numbers of entries per KV head, which "
-                                   "vLLM's shared block table cannot hold")
-        pos = layer.positions[0]  # (h, n_keep), ascending
-        n_keep = pos.shape[-1]
-        kept.add(n_keep)
-        moved = (pos != before[:, :n_keep]).any(dim=0).nonzero()
-        if moved.numel():  # entries from the first one that moved on are rewritten
-            j = int(moved[0])
-            write_request(kv, block_ids, layer.keys[0, :, j:], layer.values[0, :, j:], start=j)
-        new_positions.append(pos)
+        if shared is None:
+            keys, values = read_request(kv, block_ids, stored)  # (h, stored, d), slot order
+            layer, kept, n_keep = _decide(cache, idx, keys, values, slot_positions[idx], old, told, steps,
+                                          prompt_tokens, states[idx])
+        else:
+            layer, kept, n_keep = shared
+        kept_counts.add(n_keep)
+        heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+        if heads.numel():
+            if shared is None:
+                moved_k, moved_v = keys[heads, from_slots], values[heads, from_slots]
+            else:
+                moved_k, moved_v = read_entries(kv, block_ids, heads, from_slots)
+            write_entries(kv, block_ids, heads, to_slots, moved_k, moved_v)
+        new_positions.append(slot_positions[idx].gather(-1, order))
         new_states.append(layer.state)
-    check(len(kept) == 1, f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept)})")
+    check(len(kept_counts) == 1,
+          f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")
     entries.positions, entries.seen, entries.states = new_positions, end, new_states
-    return end - kept.pop()
+    return end - kept_counts.pop()
 
 
 def blocks_needed(entries: int, block_size: int) -> int:

@@ -57,3 +57,23 @@ def write_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.T
     blk, off = blk[start:], off[start:]
     k_half[blk, :, :, off] = keys.transpose(0, 1).to(kv_cache.dtype)
     v_half[blk, :, off] = values.transpose(0, 1).to(kv_cache.dtype)
+
+
+def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store single entries: `keys[i]`, `values[i]` `(m, head_dim)` as KV head `heads[i]`'s entry at the request's
+    slot `slots[i]` (`(m,)` int64 each; in place). Compaction moves only the entries it must with it."""
+    k_half, v_half = _halves(kv_cache)
+    bs = kv_cache.shape[2]
+    blk, off = block_ids[slots // bs], slots % bs
+    k_half[blk, heads, :, off] = keys.to(kv_cache.dtype)
+    v_half[blk, heads, off] = values.to(kv_cache.dtype)
+
+
+def read_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `(m, head_dim)` of KV head `heads[i]`'s entry at the request's slot `slots[i]` (copies)."""
+    k_half, v_half = _halves(kv_cache)
+    bs = kv_cache.shape[2]
+    blk, off = block_ids[slots // bs], slots % bs
+    return k_half[blk, heads, :, off], v_half[blk, heads, off]
