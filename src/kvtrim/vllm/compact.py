@@ -258,19 +258,21 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     states = entries.states or [None] * len(kv_caches)
     cache = TrimCache(method, in_place_decode=False)
     new_positions, new_states, kept_counts = [], [], set()
-    shared = None  # positions-only: (layer, kept mask, kept count) of the one decision
+    shared = None  # positions-only: the one decision (its layer, kept count and moves)
     if method.positions_only and all(torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
         none = torch.zeros(h, stored, 1)  # a stand-in: the method reads no keys or values
-        shared = _decide(cache, 0, none, none, slot_positions[0], old, told, steps, prompt_tokens, states[0])
+        layer, kept, n_keep = _decide(cache, 0, none, none, slot_positions[0], old, told, steps, prompt_tokens,
+                                      states[0])
+        shared = layer, n_keep, fill_holes(kept, n_keep)
     for idx, kv in enumerate(kv_caches):
         if shared is None:
             keys, values = read_request(kv, block_ids, stored)  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys, values, slot_positions[idx], old, told, steps,
                                           prompt_tokens, states[idx])
+            heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
         else:
-            layer, kept, n_keep = shared
+            layer, n_keep, (heads, from_slots, to_slots, order) = shared
         kept_counts.add(n_keep)
-        heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
         if heads.numel():
             if shared is None:
                 moved_k, moved_v = keys[heads, from_slots], values[heads, from_slots]
