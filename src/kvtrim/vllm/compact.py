@@ -221,8 +221,9 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor, values: torch.Tensor
     layer = TrimLayer(cache.method, idx, owner=cache, in_place_decode=False)
     cache.layers.append(layer)
     if told:
-        k_old = keys.gather(1, by_position[:, :old, None].expand(-1, -1, keys.shape[-1]))
-        v_old = values.gather(1, by_position[:, :old, None].expand(-1, -1, values.shape[-1]))
+        rows = (by_position[:, :old] + stored * torch.arange(h)[:, None]).flatten()  # whole rows: index_select
+        k_old = keys.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)  # is far faster than gather
+        v_old = values.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)
         layer.resume(k_old[None], v_old[None], sorted_positions[None, :, :old], told, prompt_tokens,
                      layer.state if state is None else state)
     start = old
