@@ -201,8 +201,9 @@ class TrimScheduler(Scheduler):
             if gone and req_id not in failed and req_id in self.requests and not self.requests[req_id].is_finished():
                 freed = self.kv_cache_manager.compacted(req_id, stored, gone)
                 self.kvtrim_freed_blocks += freed
-                logger.info("kvtrim: request %s returned %d blocks to the pool (%d free)", req_id, freed,
-                            self.kv_cache_manager.block_pool.get_num_free_blocks())
+                if freed:
+                    logger.info("kvtrim: request %s returned %d blocks to the pool (%d free)", req_id, freed,
+                                self.kv_cache_manager.block_pool.get_num_free_blocks())
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if failed:
             self._kvtrim_fail(failed, outputs)

@@ -20,7 +20,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   never stops the engine: the error is logged and handed to the scheduler with the step's output
   (`FAILED_ATTR` on the `ModelRunnerOutput`), which ends that request with an error
   (`TrimScheduler.update_from_output`) while every other request goes on;
-* every 16 steps and at each compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
+* every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
   (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
   scheduler's planning of every step included).
 
@@ -131,7 +131,7 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_step_s += time.perf_counter() - start
         if scheduler_output.total_num_scheduled_tokens:
             self.kvtrim_steps += 1
-            if due or self.kvtrim_steps % 16 == 0:
+            if self.kvtrim_steps % 16 == 0 or any(plan.steps[0][1] for _, plan, _ in due):
                 self._log_stats()
         return out
 
