@@ -12,7 +12,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
 from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, fill_holes, forward_steps  # noqa: E402
-from kvtrim.vllm.layout import check_isa, read_request, write_entries, write_request  # noqa: E402
+from kvtrim.vllm.layout import check_isa, read_request, write_entries  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
 BS, H, D, NB = 32, 3, 64, 12
@@ -55,7 +55,8 @@ def test_write_lays_out_as_the_kernel(dtype):
     n = 2 * BS + 9
     keys, values = torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype)
     ours, theirs = torch.zeros(NB, H, BS, 2 * D, dtype=dtype), torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
-    write_request(ours, blocks, keys.transpose(0, 1), values.transpose(0, 1))
+    heads, slots = torch.arange(H).repeat_interleave(n), torch.arange(n).repeat(H)  # every entry of every head
+    write_entries(ours, blocks, heads, slots, keys[slots, heads], values[slots, heads])
     kernel_write(theirs, keys, values, request_slots(blocks, n))
     assert torch.equal(ours, theirs)
 

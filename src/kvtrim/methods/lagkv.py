@@ -302,20 +302,22 @@ class LagKV(ScoringMethod):
             short = prompt_tokens < self.sink_size + 2 * self.lag_size
             return total_tokens if short else self._scheduled_peak(prompt_tokens, total_tokens)
         # reference mode: the window past the sinks and compressed entries is cut when it reaches 2 * lag_size
-        sink, lag, k = self.sink_size, self.lag_size, math.floor(self.keep_ratio * self.lag_size)
-        stored, compressed, peak = prompt_tokens, 0, 0
-        for n in range(prompt_tokens, total_tokens + 1):
-            if n > prompt_tokens:
-                stored += 1
-                peak = max(peak, stored)
+        sink, lag, k = self.sink_size, self.lag_size, min(self.lag_size, math.floor(self.keep_ratio * self.lag_size))
+        stored, compressed, n = prompt_tokens, 0, prompt_tokens
+        while True:
             window = stored - sink - compressed
             if window >= 2 * lag:  # all complete partitions but the newest are cut to k entries each
                 scored = window // lag - 1
-                compressed += scored * min(k, lag)
-                stored -= scored * (lag - min(k, lag))
+                compressed += scored * k
+                stored -= scored * (lag - k)
+                window -= scored * lag
             if n == prompt_tokens:
                 peak = stored  # what the prompt's end keeps
-        return peak
+            if n == total_tokens:
+                return peak
+            grow = min(total_tokens - n, 2 * lag - window)  # decode steps until the next cut (or the end)
+            n, stored = n + grow, stored + grow
+            peak = max(peak, stored)
 
     def on_prompt_end(self, view):
         if view.layer_idx in self.skip_layers or self.mode == "reference":

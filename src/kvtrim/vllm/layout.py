@@ -34,29 +34,18 @@ def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return slabs[:, :, 0].view(nb, h, d, bs), slabs[:, :, 1].view(nb, h, bs, d)
 
 
-def _slots(block_ids: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) `(n,)` each, of a request's tokens 0..n-1."""
-    i = torch.arange(n)
-    return block_ids[i // block_size], i % block_size
+def _block_offset(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of a request's `slots` (its stored entries' indices) whose blocks are `block_ids`."""
+    return block_ids[slots // block_size], slots % block_size
 
 
 def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are
     `block_ids` `(num_request_blocks,)` int64 (copies)."""
     keys, values = _halves(kv_cache)
-    blk, off = _slots(block_ids, n, kv_cache.shape[2])
+    blk, off = _block_offset(block_ids, torch.arange(n), kv_cache.shape[2])
     # advanced indices on dims 0 and 3 (keys) / 0 and 2 (values) -> (n, h, d)
     return keys[blk, :, :, off].transpose(0, 1).contiguous(), values[blk, :, off].transpose(0, 1).contiguous()
-
-
-def write_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  start: int = 0) -> None:
-    """Store `keys`, `values` `(kv_heads, m, head_dim)` as the request's tokens `start`..`start + m - 1` (in place)."""
-    k_half, v_half = _halves(kv_cache)
-    blk, off = _slots(block_ids, start + keys.shape[1], kv_cache.shape[2])
-    blk, off = blk[start:], off[start:]
-    k_half[blk, :, :, off] = keys.transpose(0, 1).to(kv_cache.dtype)
-    v_half[blk, :, off] = values.transpose(0, 1).to(kv_cache.dtype)
 
 
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,
@@ -64,8 +53,7 @@ def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.
     """Store single entries: `keys[i]`, `values[i]` `(m, head_dim)` as KV head `heads[i]`'s entry at the request's
     slot `slots[i]` (`(m,)` int64 each; in place). Compaction moves only the entries it must with it."""
     k_half, v_half = _halves(kv_cache)
-    bs = kv_cache.shape[2]
-    blk, off = block_ids[slots // bs], slots % bs
+    blk, off = _block_offset(block_ids, slots, kv_cache.shape[2])
     k_half[blk, heads, :, off] = keys.to(kv_cache.dtype)
     v_half[blk, heads, off] = values.to(kv_cache.dtype)
 
@@ -74,6 +62,5 @@ def read_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.T
                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values `(m, head_dim)` of KV head `heads[i]`'s entry at the request's slot `slots[i]` (copies)."""
     k_half, v_half = _halves(kv_cache)
-    bs = kv_cache.shape[2]
-    blk, off = block_ids[slots // bs], slots % bs
+    blk, off = _block_offset(block_ids, slots, kv_cache.shape[2])
     return k_half[blk, heads, :, off], v_half[blk, heads, off]

@@ -65,7 +65,7 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_discarded: dict[str, int] = {}
         #: per request: what its stored entries are
         self.kvtrim_entries: dict[str, RequestEntries] = {}
-        #: requests due after the forward being prepared: (req_id, steps, tokens computed, expected discarded)
+        #: requests due after the forward being prepared: (req_id, the scheduler's `Due`, tokens after the forward)
         self._kvtrim_due: list[tuple] = []
         #: requests whose compaction failed in this step: req_id -> why (handed to the scheduler)
         self._kvtrim_failed: dict[str, str] = {}
