@@ -10,9 +10,12 @@
 #                 needs a quiet machine; not part of `make test`). Extra flags: make bench-serving ARGS="--resume"
 #   make bench-serving-long - the long-generation load: short prompts, 2,000 output tokens each, methods at a
 #                 budget of 512 entries that evict while decoding (benchmarks/serving/README.md)
+#   make bench-serving-long-prompt - ~7,000-token prompts on a pool of 2,048 tokens (plain vLLM refuses to
+#                 start so; KeyDiff reads the prompts in blocks under its budget)
 # `make test` also builds .venv-serve and runs the plugin's tests there (tests/test_vllm_*.py: vLLM pulls an
 # older transformers than kvtrim's core needs, so they run in their own environment).
-.PHONY: setup demo test test-fast test-slow serve-env serve bench-serving bench-serving-long
+.PHONY: setup demo test test-fast test-slow serve-env serve bench-serving bench-serving-long \
+	bench-serving-long-prompt
 
 VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_scheduler.py tests/test_vllm_server.py
 
@@ -42,6 +45,11 @@ LONG_METHODS = keydiff:budget=512,streaming:budget=512,lagkv:keep_ratio=0.125
 bench-serving-long: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long --requests 16 \
 		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
+
+LONG_PROMPT_METHODS = keydiff:budget=1024:block_size=256,keydiff:budget=512:block_size=256
+bench-serving-long-prompt: setup serve-env
+	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-prompt --requests 8 \
+		--prompt-tokens 7000 --max-tokens 64 --max-model-len 8192 --blocks 17 --methods $(LONG_PROMPT_METHODS) $(ARGS)
 
 test-slow: setup
 	.venv/bin/python -m pytest -q -m slow --durations=0

@@ -1,11 +1,16 @@
 """`StoredCounts` (the scheduler's counts, no vLLM needed): counting by the schedule (no keys) says the same
 as the method run on stand-in keys, forward by forward: which forwards are due and how many entries are
-discarded after each."""
+discarded after each; prompts read in blocks are told block by block whatever vLLM's chunks; the peaks the
+scheduler admits by and the KV-cache spec reports, against `TrimCache` and brute force."""
 
 import pytest
+import torch
 
+from kvtrim.cache import TrimCache
+from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.specs import parse_method_spec
-from kvtrim.vllm.compact import StoredCounts, forward_steps, plan_forward
+from kvtrim.vllm.compact import (StoredCounts, block_end, forward_steps, longest_peak, plan_forward, prompt_block,
+                                 prompt_peak)
 
 COUNTED = ["keydiff:budget=48:block_size=16", "keydiff:compression_ratio=0.5", "streaming:budget=40",
            "streaming:compression_ratio=0.75", "knorm:budget=30", "knorm:compression_ratio=0.6",
@@ -54,3 +59,78 @@ def test_plan_forward_starts_a_request_afresh():
     assert plan_forward(counts, "r", method, 100, 101, 100).discarded == 61  # every step over budget evicts
     assert plan_forward(counts, "r", method, 0, 50, 100) is None  # recomputed: a new first chunk, nothing due yet
     assert "r" not in counts
+
+
+def block_forwards(prompt: int, total: int, block: int, chunk: int) -> list[tuple[int, int]]:
+    """A request's forwards when vLLM's chunks (`chunk` tokens) are cut at the method's block ends
+    (`block_end`, as `TrimScheduler` cuts them): prompt, then one token each."""
+    out, start = [], 0
+    while start < prompt:
+        out.append((start, min(start + chunk, block_end(start, prompt, block))))
+        start = out[-1][1]
+    return out + [(n, n + 1) for n in range(prompt, total)]
+
+
+@pytest.mark.parametrize("chunk", [1000, 16, 5])
+def test_prompt_blocks_are_told_whole_however_vllm_chunks_them(chunk):
+    """A forward that ends inside a block tells nothing; the one that completes it tells the whole block (a
+    prompt forward, ending the prompt on the last), so the steps are `kvtrim.prefill`'s blocks of 16."""
+    told = []
+    for start, end in block_forwards(70, 72, 16, chunk):
+        told += forward_steps(start, end, 70, 16)
+    assert told == [(Phase.PREFILL, False, 16)] * 4 + [(Phase.PREFILL, True, 6)] + [(Phase.DECODE, False, 1)] * 2
+    with pytest.raises(KvtrimError, match="crosses the end of its prompt block at 32"):
+        forward_steps(20, 40, 70, 16)
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=48:block_size=16", "keydiff:budget=20:block_size=7",
+                                  "keydiff:budget=30:block_size=40"])
+@pytest.mark.parametrize("chunk", [1000, 16, 5])
+def test_block_counts_are_the_stand_in(spec, chunk):
+    method = parse_method_spec(spec).build()
+    block = prompt_block(method)
+    counted, stand_in = StoredCounts(method), StoredCounts(method)
+    stand_in.by_count = False
+    for start, end in block_forwards(130, 260, block, chunk):
+        steps = forward_steps(start, end, 130, block)
+        assert counted.advance(steps) == stand_in.advance(steps), (start, end)
+        assert counted.discarded == stand_in.discarded and counted.held == stand_in.held, (start, end)
+
+
+def simulated_prompt_peak(spec: str, prompt: int) -> int:
+    """`kvtrim.prefill`'s way on random keys: the prompt in blocks of the method's size, each a prompt forward
+    (the last ending it); the most entries the layer held inside a forward (before its eviction)."""
+    method = parse_method_spec(spec).build()
+    cache, block = TrimCache(method), method.prefill_block_size()
+    gen = torch.Generator().manual_seed(0)
+    peak = 0
+    for start in range(0, prompt, block):
+        q = min(block, prompt - start)
+        held = cache.layers[0].stored if cache.layers else 0
+        peak = max(peak, held + q)
+        k, v = torch.randn(2, 1, 2, q, 8, generator=gen)
+        with cache.phase(Phase.PREFILL, ends_prompt=start + q == prompt):
+            cache.update(k, v, 0)
+    return peak
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=48:block_size=16", "keydiff:budget=50:block_size=16",
+                                  "keydiff:budget=20:block_size=64"])
+@pytest.mark.parametrize("prompt", [1, 30, 48, 64, 65, 200])
+def test_prompt_peak_is_the_simulated_one(spec, prompt):
+    assert prompt_peak(parse_method_spec(spec).build(), prompt) == simulated_prompt_peak(spec, prompt)
+
+
+def test_a_prompt_in_one_block_peaks_at_its_length():
+    assert prompt_peak(parse_method_spec("keydiff:compression_ratio=0.5").build(), 700) == 700
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=48:block_size=16", "keydiff:budget=50:block_size=7"])
+def test_longest_peak_is_the_worst_split_of_the_tokens(spec):
+    """What the server's KV-cache spec reports: the most any request of at most `max_len` tokens holds, by brute
+    force over every prompt length (its prompt's blocks, then decoding to `max_len`)."""
+    method = parse_method_spec(spec).build()
+    worst = max(max(prompt_peak(method, p), method.peak_stored(p, 300)) for p in range(1, 300))
+    assert longest_peak(method, 300) == worst < 300
+    assert longest_peak(parse_method_spec("keydiff:compression_ratio=0.5").build(), 300) == 300
+    assert longest_peak(None, 300) == 300

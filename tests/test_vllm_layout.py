@@ -11,7 +11,8 @@ vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU buil
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
-from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, fill_holes, forward_steps  # noqa: E402
+from kvtrim.vllm.compact import (RequestEntries, StoredCounts, block_end, compact, fill_holes,  # noqa: E402
+                                 forward_steps)
 from kvtrim.vllm.layout import check_isa, read_request, write_entries  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
@@ -209,4 +210,50 @@ def test_decoding_compactions_keep_trimcache_positions(spec, dtype):
             cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
         reference.append(cache.layers[idx].kept_positions()[0])
     assert due_decodes >= 2 and gone == prompt + new - reference[0].shape[-1]
+    assert_holds(caches, blocks, originals, reference, entries)
+
+
+@pytest.mark.parametrize("spec", ["keydiff:budget=40:block_size=16", "keydiff:budget=50:block_size=24:sink_size=4"])
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_prompt_block_compactions_keep_trimcache_positions(spec, chunk, dtype):
+    """A prompt read in blocks in the engine (vLLM's chunks of `chunk` tokens cut at the block ends, as the
+    scheduler cuts them; each chunk's entries written after what the request stores, the completed blocks
+    compacted), then decoded: the blocks hold exactly what `TrimCache` keeps when `kvtrim.prefill` feeds it the
+    same keys in blocks, and generate then one token at a time."""
+    method = method_for_vllm(spec)
+    block = method.prefill_block_size()
+    prompt, new, n_layers = 4 * BS + 9, 30, 2
+    total = prompt + new
+    blocks = torch.tensor([9, 4, 11, 0, 7, 2, 5, 1])
+    torch.manual_seed(5)
+    originals = [((torch.randn(H, total, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(H, total, D).to(dtype))
+                 for _ in range(n_layers)]
+    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
+    forwards, start = [], 0
+    while start < prompt:
+        forwards.append((start, min(start + chunk, block_end(start, prompt, block))))
+        start = forwards[-1][1]
+    forwards += [(t, t + 1) for t in range(prompt, total)]
+    counts, entries, gone, prompt_compactions = StoredCounts(method), RequestEntries(), 0, 0
+    for start, end in forwards:  # each forward writes its tokens at the slots after the stored entries
+        slots = request_slots(blocks, end - gone)[start - gone:]
+        for cache, (k, v) in zip(caches, originals):
+            kernel_write(cache, k[:, start:end].transpose(0, 1).contiguous(), v[:, start:end].transpose(0, 1).contiguous(),
+                         slots)
+        steps = forward_steps(start, end, prompt, block)
+        if steps and counts.advance(steps):
+            gone = compact(caches, blocks, method, entries, steps, end, prompt)
+            assert gone == counts.discarded
+            prompt_compactions += end < prompt
+    reference = []
+    for idx, (k, v) in enumerate(originals):
+        cache = TrimCache(method)
+        for s in range(0, prompt, block):
+            q = min(block, prompt - s)
+            with cache.phase(Phase.PREFILL, ends_prompt=s + q == prompt):
+                cache.update(k[None, :, s:s + q].clone(), v[None, :, s:s + q].clone(), idx)
+        for t in range(prompt, total):
+            cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
+        reference.append(cache.layers[idx].kept_positions()[0])
+    assert prompt_compactions >= 2 and gone == total - reference[0].shape[-1]
     assert_holds(caches, blocks, originals, reference, entries)

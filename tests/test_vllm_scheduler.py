@@ -22,7 +22,7 @@ from kvtrim.cache import TrimCache  # noqa: E402
 from kvtrim.methods.base import Phase  # noqa: E402
 from kvtrim.models import resolve_model_dir  # noqa: E402
 from kvtrim.specs import parse_method_spec  # noqa: E402
-from kvtrim.vllm.compact import PLAN_ATTR  # noqa: E402
+from kvtrim.vllm.compact import PLAN_ATTR, block_end  # noqa: E402
 from kvtrim.vllm.scheduler import CompactingKVCacheManager, TrimScheduler  # noqa: E402
 
 BLOCK = 16
@@ -42,18 +42,21 @@ METHODS = ["streaming:compression_ratio=0.75", "lagkv:compression_ratio=0.75:lag
            "keydiff:compression_ratio=0.5", "knorm:compression_ratio=0.6"]
 
 
-def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = None, admission=None) -> VllmConfig:
+def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = None, admission=None,
+                batched: int = 8192) -> VllmConfig:
     model = ModelConfig(model=str(resolve_model_dir("smollm2-135m")), dtype="float32", max_model_len=2048)
     return VllmConfig(model_config=model,
                       cache_config=CacheConfig(**{"block_size": BLOCK, "enable_prefix_caching": False, **(cache or {})}),
-                      scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192,
-                                                       max_model_len=2048, is_encoder_decoder=False),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched,
+                                                       max_model_len=2048, is_encoder_decoder=False,
+                                                       enable_chunked_prefill=True),
                       additional_config={"kvtrim_method": method,
                                          **({"kvtrim_admission": admission} if admission is not None else {})})
 
 
-def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32, admission=None) -> TrimScheduler:
-    cfg = make_config(method, max_seqs, admission=admission)
+def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32, admission=None,
+                   batched: int = 8192) -> TrimScheduler:
+    cfg = make_config(method, max_seqs, admission=admission, batched=batched)
     cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
@@ -142,13 +145,19 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
 
 
 def reference_stored(spec: str, prompt: int, new: int) -> list[int]:
-    """Entries stored after each of `prompt + new` tokens fed as generate feeds them (the prompt in one forward,
-    then one token at a time), by `TrimCache` on random keys (one layer, 3 KV heads): `[tokens] -> stored`."""
-    cache = TrimCache(parse_method_spec(spec).build())
+    """Entries stored after each of `prompt + new` tokens fed as `kvtrim.generate` feeds them (the prompt in one
+    forward, or in the method's prefill blocks, then one token at a time), by `TrimCache` on random keys (one
+    layer, 3 KV heads): `[tokens] -> stored` (inside a prompt block: the tokens stored so far, nothing evicted)."""
+    method = parse_method_spec(spec).build()
+    cache, block = TrimCache(method), method.prefill_block_size() or prompt
     stored = [0] * (prompt + new + 1)
-    with cache.phase(Phase.PREFILL, ends_prompt=True):
-        cache.update(*torch.randn(2, 1, 3, prompt, 64), 0)
-    stored[prompt] = cache.layers[0].stored
+    for start in range(0, prompt, block):
+        q = min(block, prompt - start)
+        before = cache.layers[0].stored if cache.layers else 0
+        stored[start + 1:start + q] = range(before + 1, before + q)
+        with cache.phase(Phase.PREFILL, ends_prompt=start + q == prompt):
+            cache.update(*torch.randn(2, 1, 3, q, 64), 0)
+        stored[start + q] = cache.layers[0].stored
     for t in range(prompt + 1, prompt + new + 1):
         cache.update(*torch.randn(2, 1, 3, 1, 64), 0)
         stored[t] = cache.layers[0].stored
@@ -165,9 +174,10 @@ def test_decoding_evictions_return_blocks(spec):
     add(s, 2, prompt, new, spec)
     expected = reference_stored(spec, prompt, new)
     freed_at_prompt = None
-    for _ in range(new):
+    while "r0" in s.requests:
         step(s)
-        freed_at_prompt = s.kvtrim_freed_blocks if freed_at_prompt is None else freed_at_prompt
+        if "r0" in s.requests and s.requests["r0"].num_computed_tokens >= prompt and freed_at_prompt is None:
+            freed_at_prompt = s.kvtrim_freed_blocks
         for r in s.running:
             assert held(s, r.request_id) == -(-expected[r.num_computed_tokens] // BLOCK), (spec, r.num_computed_tokens)
     blocks = [-(-n // BLOCK) for n in expected[prompt:]]
@@ -247,7 +257,7 @@ def test_admission_as_vllm_admits_eagerly_and_preempts():
     """`kvtrim serve --admission vllm`: the same load as above is admitted by its prompts (six at first) and
     preempted as it grows; blocks still follow the stored counts and nothing leaks."""
     s = make_scheduler(12, admission="vllm")
-    add(s, 8, 20, 200, "keydiff:budget=32:block_size=16")
+    add(s, 8, 20, 200, "streaming:budget=32")
     most, preempted = 0, 0
     for _ in range(5000):
         if not s.has_requests():
@@ -256,6 +266,73 @@ def test_admission_as_vllm_admits_eagerly_and_preempts():
         preempted = max([preempted] + [r.num_preemptions for r in s.requests.values()])
     assert not s.has_requests() and most == 6 and preempted > 0
     assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_reserved
+
+
+@pytest.mark.parametrize("batched", [8192, 20])
+def test_a_prompt_longer_than_the_pool_is_read_in_blocks(batched):
+    """KeyDiff `budget=48:block_size=32` (peak 80 entries, 5 blocks) reads a 700-token prompt on a 12-block
+    (192-token) pool: no forward crosses a block's end, whatever vLLM's token budget cuts (`batched`), the
+    request never holds more than its peak, its blocks follow its stored counts, and two such requests run side
+    by side (12 // 5) without preemption."""
+    spec = "keydiff:budget=48:block_size=32"
+    s = make_scheduler(12, max_seqs=4, batched=batched)
+    add(s, 3, 700, 40, spec)
+    most, chunks, prompt_compactions = 0, [], 0
+    for _ in range(5000):
+        if not s.has_requests():
+            break
+        computed = {r: s.requests[r].num_computed_tokens for r in s.requests}
+        scheduled, due = step(s, plans=True)
+        most = max(most, len(scheduled))
+        for r, n in scheduled.items():
+            start = computed[r]
+            if start < 700:
+                chunks.append(n)
+                assert start + n <= block_end(start, 700, 32), (start, n)
+                if r in due:  # compacted only after a block (when it evicts), never inside one
+                    assert (start + n) % 32 == 0 or start + n == 700
+                    prompt_compactions += 1
+        for r in s.running:
+            gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
+            assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK) <= 5
+        assert all(r.num_preemptions == 0 for r in s.requests.values())
+    assert not s.has_requests() and most == 2 and max(chunks) == min(32, batched)
+    assert prompt_compactions == 3 * (-(-700 // 32) - 1)  # every block from the second on evicts
+    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_counts
+
+
+def test_a_request_the_pool_can_never_hold_ends_with_an_error():
+    """On a 12-block pool a `full` request of 700 prompt tokens (44 blocks) could only be admitted to be
+    preempted again and again: it ends with an error (one line in the log) and the requests beside it run."""
+    s = make_scheduler(12)
+    add(s, 1, 700, 10, "full")
+    add(s, 2, 40, 10, "keydiff:budget=48:block_size=32", start=1)
+    why = s._kvtrim_unfit(s.requests["r0"])
+    assert why.startswith("its prompt of 700 tokens and max_tokens=10 may take 45 KV blocks under full, more than "
+                          "the 12 of this server's pool") and "\n" not in why
+    assert s._kvtrim_unfit(s.requests["r1"]) is None
+    run_all(s)
+    assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 12 and not s.requests
+
+
+def test_the_kv_cache_spec_asks_vllm_for_the_methods_peak():
+    """vLLM's start-up check (one `max_model_len` request must fit) passes on a pool smaller than
+    `max_model_len` when the server's method bounds what a request holds (KeyDiff `budget=`: budget + block),
+    as vLLM's own sliding-window spec does; the same pool fails it under `full`."""
+    from vllm.v1.core.kv_cache_utils import check_enough_kv_cache_memory
+
+    from kvtrim.vllm.kv_spec import TrimAttentionSpec, trim_spec
+
+    spec = trim_spec(FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32))
+    assert isinstance(spec, TrimAttentionSpec)
+    pool = (20 + 1) * spec.page_size_bytes  # 20 usable blocks (320 tokens) and vLLM's null block
+    keydiff, full = make_config("keydiff:budget=200:block_size=64"), make_config("full")
+    for cfg in (keydiff, full):
+        cfg.cache_config.kv_cache_layout = "NHD"  # (the engine core resolves it before the check)
+    check_enough_kv_cache_memory(keydiff, {"l0": spec}, pool)
+    assert spec.max_memory_usage_bytes(keydiff) == 17 * spec.page_size_bytes  # 264 entries: 17 blocks of 16
+    with pytest.raises(ValueError, match="max seq len"):
+        check_enough_kv_cache_memory(full, {"l0": spec}, pool)
 
 
 def test_a_bad_admission_is_refused_at_start():

@@ -258,3 +258,44 @@ def test_preempted_compacted_requests_are_recomputed(server, prompts):
         wait_idle(small.url)
     finally:
         small.stop()
+
+
+def test_a_prompt_longer_than_the_pool_is_served_in_blocks():
+    """KeyDiff `budget=1024:block_size=256` on a server whose whole pool holds 2,048 tokens (16 blocks of 128)
+    with `--max-model-len 8192` (plain vLLM refuses to start so: one 8,192-token request must fit; kvtrim's
+    KV-cache spec reports the method's peak, 1,280 entries): a ~7,000-token passkey prompt is read in blocks
+    of 256, each evicting back to 1,024 entries, and answered; a `full` request of the same prompt, which this
+    pool can never hold, ends with an error (one line in the log) and the server goes on. On this prompt (seed 5,
+    6,981 tokens) the engine's 12 greedy tokens were those of `kvtrim.generate(model, ids, method,
+    max_new_tokens=12)` in transformers (bf16, blocks of 256): ' a mathematical formula that allows you to
+    determine the color of a' (KeyDiff at this budget loses the needle; the full cache finds it), measured
+    2026-12-05."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
+    sample = passkey_samples(tok, 7000, 1, seed=5)[0]
+    n_prompt = len(tok(sample.prompt).input_ids)
+    assert 6500 < n_prompt < 7500
+    s = Server(method="keydiff:budget=1024:block_size=256",
+               extra=["--num-gpu-blocks-override", "17", "--max-model-len", "8192"])
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt=sample.prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        log = s.tail(100000)
+        blocks = log.count("entries after its prompt block (KeyDiff)")
+        assert r.usage.completion_tokens == NEW_TOKENS and r.usage.prompt_tokens == n_prompt
+        assert blocks == -(-n_prompt // 256) - 5  # every block after the fourth (1,024 = 4 x 256) evicts ...
+        assert f"keeps 1024 of {n_prompt} entries after its prompt (KeyDiff)" in log  # ... and the last one
+        print(f"passkey {sample.key} {'found' if sample.key in r.choices[0].text else 'not found'}: "
+              f"{r.choices[0].text!r} ({blocks} prompt-block compactions)")
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=model, prompt=sample.prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"vllm_xargs": {"kvtrim": "full"}})
+        assert f"ended with an error: its prompt of {n_prompt} tokens" in s.tail(100000)
+        assert client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                         temperature=0).usage.completion_tokens == 4
+        wait_idle(s.url)
+    finally:
+        s.stop()

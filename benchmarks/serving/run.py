@@ -90,19 +90,26 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.prompt_tokens + args.max_tokens > args.max_model_len:
         p.error(f"--prompt-tokens + --max-tokens must fit --max-model-len {args.max_model_len}, "
                 f"got {args.prompt_tokens + args.max_tokens}")
+    args.plain_refused = None
     need = -(-args.max_model_len // BLOCK_SIZE) + 1  # vLLM keeps one block of the pool aside (its null block)
-    if args.blocks < need:
-        p.error(f"--blocks {args.blocks}: vLLM needs one request of --max-model-len {args.max_model_len} to fit in "
-                f"{BLOCK_SIZE}-token blocks plus one: use --blocks >= {need}")
+    if args.blocks < need and not args.no_plain:  # the long-prompt load shows it: recorded, the others still run
+        args.plain_refused = (f"plain vLLM needs one request of --max-model-len {args.max_model_len} to fit in "
+                              f"--blocks {args.blocks} ({need} blocks of {BLOCK_SIZE}): it will refuse to start")
     if not args.method_list and args.no_plain:
         p.error("nothing to run: --methods is empty and --no-plain is set")
     if len(set(args.method_list)) != len(args.method_list):
         p.error(f"--methods lists a spec twice: {args.methods}")
+    from kvtrim.vllm.compact import longest_peak
+
     for spec in args.method_list:
         try:
-            method_for_vllm(spec)
+            method = method_for_vllm(spec)
         except KvtrimError as e:
             p.error(f"--methods: {e}")
+        peak = longest_peak(method, args.max_model_len)  # what kvtrim's KV-cache spec asks vLLM's start-up check for
+        if args.blocks < -(-peak // BLOCK_SIZE) + 1:
+            p.error(f"--blocks {args.blocks}: under {spec} one request of --max-model-len {args.max_model_len} may hold "
+                    f"{peak} entries: use --blocks >= {-(-peak // BLOCK_SIZE) + 1}")
     from kvtrim.models import MODELS
 
     if args.model not in MODELS and not pathlib.Path(args.model).is_dir():
@@ -257,6 +264,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"run.py: error: --resume: {path} was made with other settings ({', '.join(diff)})")
         data["runs"] = [r for r in old["runs"] if "error" not in r]
     configs = ([] if args.no_plain else [(PLAIN, None)]) + [(m, m) for m in args.method_list]
+    if args.plain_refused:
+        print(f"note: {args.plain_refused}", flush=True)
     failed = 0
     for label, method in configs:
         if any(r["label"] == label for r in data["runs"]):

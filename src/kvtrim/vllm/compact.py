@@ -5,7 +5,11 @@ Each forward of a request is told to the method as `model.generate(..., cache=Tr
 it: in the engine the prompt is one block); the forward that completes the prompt is one prompt forward
 that ends it (`Phase.PREFILL, ends_prompt=True`, as the one-shot prefill); tokens after the prompt in that
 forward (a recomputed request's generated tokens) and every later forward are an append (several tokens)
-or a decode step (one). Attend, then evict: vLLM attended to everything before the compaction runs.
+or a decode step (one). A method with a prefill block (`prompt_block`: KeyDiff `budget=`) reads its prompt
+in blocks instead, as `kvtrim.prefill` does: the scheduler never lets a forward cross a block's end
+(`block_end`), and the forward that completes a block tells the method the whole block (a prompt forward,
+ending the prompt on the last one), which evicts after it; later forwards attend to what it kept. Attend,
+then evict: vLLM attended to everything before the compaction runs.
 
 Two things follow a request through its forwards:
 
@@ -72,16 +76,44 @@ class StepPlan:
     seconds: float
 
 
-def forward_steps(computed: int, end: int, prompt_tokens: int) -> list[Step]:
+def prompt_block(method: EvictionMethod | None) -> int | None:
+    """The block the engine reads `method`'s prompt in (`prefill_block_size()`: KeyDiff `budget=`), or None when
+    the prompt is one block (however vLLM chunks it, the method is told it once, when it is complete)."""
+    return None if method is None else method.prefill_block_size()
+
+
+def block_end(computed: int, prompt_tokens: int, block: int) -> int:
+    """Where the block holding token `computed` ends, for a request read in blocks of `block` tokens: the
+    prompt in blocks from token 0 (the last one ends with the prompt), then the tokens after it (a recomputed
+    request's) in blocks from the prompt's end. The scheduler never lets a forward cross one of these ends, so
+    a block is attended to as one forward would attend to it whatever vLLM's chunking (nothing is evicted
+    inside it): the kept set does not depend on other traffic."""
+    if computed < prompt_tokens:
+        return min(prompt_tokens, (computed // block + 1) * block)
+    return prompt_tokens + ((computed - prompt_tokens) // block + 1) * block
+
+
+def forward_steps(computed: int, end: int, prompt_tokens: int, block: int | None = None) -> list[Step]:
     """The steps a forward computing a request's tokens `computed`..`end - 1` is to its method (module
-    docstring); `[]` while the prompt is not complete."""
-    if end < prompt_tokens or end <= computed:
+    docstring); `[]` while the prompt (or, with a prompt `block`, the prompt block) is not complete. With a
+    `block`, the forward must not cross a block's end without stopping there (`block_end`): the step is the
+    whole block, told when its last token is computed."""
+    if end <= computed:
         return []
     steps: list[Step] = []
     start = computed
     if computed < prompt_tokens:
-        steps.append((Phase.PREFILL, True, prompt_tokens))
-        start = prompt_tokens
+        if block is None:
+            if end < prompt_tokens:
+                return []
+            steps.append((Phase.PREFILL, True, prompt_tokens))
+        else:
+            stop = block_end(computed, prompt_tokens, block)
+            check(end <= stop, f"a forward of tokens {computed}..{end - 1} crosses the end of its prompt block at {stop}")
+            if end < stop:
+                return []
+            steps.append((Phase.PREFILL, stop == prompt_tokens, stop - (stop - 1) // block * block))
+        start = min(end, prompt_tokens)
     if end > start:
         steps.append((Phase.APPEND if end - start > 1 else Phase.DECODE, False, end - start))
     return steps
@@ -129,6 +161,14 @@ class StoredCounts:
         layer = self._layer
         return 0 if layer is None else layer.seen - layer.stored
 
+    @property
+    def held(self) -> int:
+        """Entries stored now (of the tokens told so far)."""
+        if self.by_count:
+            return self.stored
+        layer = self._layer
+        return 0 if layer is None else layer.stored
+
     def advance(self, steps: list[Step]) -> bool:
         """Tell the counts a forward's `steps`; True when the forward is due (it evicts, or changes the
         method's state): the worker must run the method on it."""
@@ -167,13 +207,45 @@ def plan_forward(all_counts: dict[str, StoredCounts], req_id: str, method: Evict
     compaction after it, or None when the method does nothing there."""
     if computed == 0:
         all_counts.pop(req_id, None)
-    steps = forward_steps(computed, end, prompt_tokens)
+    steps = forward_steps(computed, end, prompt_tokens, prompt_block(method))
     if not steps:
         return None
     counts = all_counts.get(req_id)
     if counts is None:
         counts = all_counts[req_id] = StoredCounts(method)
     return Due(steps, end, counts.discarded) if counts.advance(steps) else None
+
+
+def prompt_peak(method: EvictionMethod, prompt_tokens: int) -> int:
+    """The most entries a request holds while its prompt is read (inside a forward, before its eviction):
+    the prompt itself when it is one block, else the peak over its blocks (`block_end`), each attending to
+    what the blocks before it kept (the counts of `StoredCounts`)."""
+    block = prompt_block(method)
+    if block is None:
+        return prompt_tokens
+    counts, peak, start = StoredCounts(method), 0, 0
+    while start < prompt_tokens:
+        stop = block_end(start, prompt_tokens, block)
+        peak = max(peak, counts.held + stop - start)
+        counts.advance(forward_steps(start, stop, prompt_tokens, block))
+        start = stop
+    return peak
+
+
+def longest_peak(method: EvictionMethod | None, max_len: int) -> int:
+    """The most entries one request of at most `max_len` tokens may hold under `method` in the engine, however
+    its tokens split between prompt and output (what the server's KV-cache spec reports, so that vLLM's
+    start-up check asks the pool for that instead of `max_len`): below `max_len` only for a method that reads
+    its prompt in blocks and bounds what it stores while decoding (KeyDiff `budget=`: `budget + block_size`)."""
+    if method is None or prompt_block(method) is None:
+        return max_len
+    worst = prompt_peak(method, max_len - 1)  # a longer prompt's blocks start as a shorter one's: the worst
+    for prompt in range(1, max_len):
+        peak = method.peak_stored(prompt, max_len)  # (a prefix of a longer output peaks no higher)
+        if peak is None:
+            return max_len
+        worst = max(worst, peak)
+    return min(worst, max_len)
 
 
 @dataclass
@@ -224,7 +296,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor, values: torch.Tensor
         rows = (by_position[:, :old] + stored * torch.arange(h)[:, None]).flatten()  # whole rows: index_select
         k_old = keys.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)  # is far faster than gather
         v_old = values.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)
-        layer.resume(k_old[None], v_old[None], sorted_positions[None, :, :old], told, prompt_tokens,
+        ended = prompt_tokens if told >= prompt_tokens else None  # resumed inside the prompt (blocks): not ended
+        layer.resume(k_old[None], v_old[None], sorted_positions[None, :, :old], told, ended,
                      layer.state if state is None else state)
     start = old
     for phase, ends, q in steps:

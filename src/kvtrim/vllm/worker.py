@@ -34,10 +34,11 @@ import time
 import numpy as np
 import torch
 
-from kvtrim.methods.base import KvtrimError
+from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, blocks_needed, compact
 from kvtrim.vllm.config import refuse_features, server_method
+from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm.layout import check_isa
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -191,7 +192,7 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
         self.kvtrim_compaction_s += seconds
-        when = "prompt" if steps[0][1] else steps[-1][0].value
+        when = "prompt" if steps[0][1] else "prompt block" if steps[0][0] is Phase.PREFILL else steps[-1][0].value
         logger.info("kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end,
                     when, type(method).__name__, 1000 * seconds)
 
@@ -210,7 +211,11 @@ class TrimModelRunner(CPUModelRunner):
 
 
 class TrimCPUWorker(CPUWorker):
-    """vLLM's CPU worker whose model runner is `TrimModelRunner`."""
+    """vLLM's CPU worker whose model runner is `TrimModelRunner` and whose KV-cache spec reports the server
+    method's peak (`kvtrim.vllm.kv_spec`)."""
+
+    def get_kv_cache_spec(self):
+        return {name: trim_spec(spec) for name, spec in super().get_kv_cache_spec().items()}
 
     def init_device(self):
         super().init_device()
