@@ -16,7 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = {  # name: (source written by the benchmark, page holding the markers)
-    "rank-table": ("benchmarks/qwen_rank/summary.md", "README.md"),
+    "rank-table": ("benchmarks/qwen_rank/headline.md", "README.md"),
     "passkey-table": ("benchmarks/passkey/table.md", "docs/results-passkey.md"),
     "eval-table": ("benchmarks/eval_quick/README.md", "docs/results-quick.md"),
     "bench-table": ("benchmarks/bench/README.md", "docs/results-speed.md"),

@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         try:
             record = run_one(args, label, method, samples, out)
         except Exception as e:  # the server did not start or died: recorded, the others still run
-            failed += 1
+            failed += not (method is None and args.plain_refused)  # a refusal announced by the note is the result
             record = {"label": label, "method": method, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
             print(f"[{label}] failed:\n{traceback.format_exc(limit=-3)}", flush=True)
         record["config_wall_s"] = time.monotonic() - t

@@ -46,9 +46,11 @@ REASONING_METHODS = ["full", f"lazyeviction:window={REASONING_WINDOW}", "lazyevi
                      "lagkv:lag_size=64", "keydiff"]
 
 #: the ranking run of issue 25 (preset `qwen-rank`): every method at 0.5 / 0.75, AdaKV-wrapped scorers and
-#: KVzip's head level included
-RANK_METHODS = ["full", "lagkv:lag_size=64", "streaming", "keydiff", "snapkv", "h2o", "tova", "knorm", "kvzip",
-                "kvzip:level=head", "adakv:method=snapkv", "adakv:method=keydiff", "adakv:method=knorm"]
+#: both KVzip levels (the first spec was plain `kvzip` while its default level was "uniform": its rows were
+#: relabelled when "head" became the default; same configuration, `method_config` unchanged)
+RANK_METHODS = ["full", "lagkv:lag_size=64", "streaming", "keydiff", "snapkv", "h2o", "tova", "knorm",
+                "kvzip:level=uniform", "kvzip:level=head", "adakv:method=snapkv", "adakv:method=keydiff",
+                "adakv:method=knorm"]
 
 PRESETS: dict[str, dict] = {
     "quick": {
