@@ -98,7 +98,9 @@ def test_passkey_at_half_the_cache(server, prompts, spec):
 
 #: passkeys found by the same method through `model.generate(ids, cache=TrimCache(method))` in transformers on
 #: these 10 prompts (bf16, 40 greedy tokens; the full cache finds 10/10): LagKV's reference mode at L = 32
-#: loses two needles there too (measured 2026-12-04 with the script in the test's docstring)
+#: loses two needles there too (measured 2026-12-04 with the script in the test's docstring). KeyDiff reads
+#: its prompt in blocks of 16 in the engine since 2026-12-05: `kvtrim.generate` (the prompt in those blocks)
+#: finds 10/10 too
 FOUND_IN_TRANSFORMERS = {"lagkv:lag_size=32": 8, "keydiff:budget=450:block_size=16": 10}
 
 
