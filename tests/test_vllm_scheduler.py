@@ -307,10 +307,10 @@ def test_a_request_the_pool_can_never_hold_ends_with_an_error():
     s = make_scheduler(12)
     add(s, 1, 700, 10, "full")
     add(s, 2, 40, 10, "keydiff:budget=48:block_size=32", start=1)
-    why = s._kvtrim_unfit(s.requests["r0"])
+    why = s._kvtrim_unfit(s.requests["r0"], s._kvtrim_peak_blocks(s.requests["r0"]))
     assert why.startswith("its prompt of 700 tokens and max_tokens=10 may take 45 KV blocks under full, more than "
                           "the 12 of this server's pool") and "\n" not in why
-    assert s._kvtrim_unfit(s.requests["r1"]) is None
+    assert s._kvtrim_unfit(s.requests["r1"], s._kvtrim_peak_blocks(s.requests["r1"])) is None
     run_all(s)
     assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 12 and not s.requests
 

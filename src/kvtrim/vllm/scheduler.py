@@ -82,8 +82,8 @@ class CompactingKVCacheManager(KVCacheManager):
     #: "peak" or "vllm" (`kvtrim serve --admission`)
     kvtrim_admission: str
 
-    #: request -> why it can never run in this pool (one line), or None
-    kvtrim_unfit: Callable[[Any], str | None]
+    #: (request, its peak blocks) -> why it can never run in this pool (one line), or None
+    kvtrim_unfit: Callable[[Any, int | None], str | None]
     #: req_id -> why: waiting requests that can never run, for the scheduler to end with an error
     kvtrim_refused: dict[str, str]
     #: request -> True when its method reads its prompt in blocks (`prompt_block`)
@@ -91,22 +91,23 @@ class CompactingKVCacheManager(KVCacheManager):
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         if request.status != RequestStatus.RUNNING:
-            why = self.kvtrim_unfit(request)
+            peak = self.kvtrim_peak_blocks(request)  # (once per admission attempt: a long prompt's is not free)
+            why = self.kvtrim_unfit(request, peak)
             if why is not None:  # admitted, it would take the pool and be preempted, again and again
                 self.kvtrim_refused[request.request_id] = why
                 return None
             if self.kvtrim_reads_in_blocks(request):  # it never holds its whole prompt: its peak admits it
                 kwargs["full_sequence_must_fit"] = False
             if self.kvtrim_admission == "peak":  # see `_kvtrim_admit`
-                return self._kvtrim_admit(request, num_new_tokens, *args, **kwargs)
+                return self._kvtrim_admit(request, peak, num_new_tokens, *args, **kwargs)
         return self._kvtrim_allocate(request, num_new_tokens, *args, **kwargs)
 
-    def _kvtrim_admit(self, request, num_new_tokens, *args, **kwargs):
+    def _kvtrim_admit(self, request, peak: int | None, num_new_tokens, *args, **kwargs):
         """A waiting (or preempted) request is admitted only while the free pool covers what the admitted
         requests may still take to reach their peaks (`_kvtrim_debt`) and, when its method bounds it, its own
-        peak: a request admitted this way is never preempted for want of blocks by one admitted after it."""
+        `peak` (`kvtrim_peak_blocks`): a request admitted this way is never preempted for want of blocks by one
+        admitted after it."""
         debt = self._kvtrim_debt()
-        peak = self.kvtrim_peak_blocks(request)
         if peak is not None and self.block_pool.get_num_free_blocks() - debt < peak:
             return None
         kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + debt
@@ -202,16 +203,15 @@ class TrimScheduler(Scheduler):
             peak = max(peak, prompt_peak(method, request.num_prompt_tokens))
         return blocks_needed(peak, self.block_size)
 
-    def _kvtrim_unfit(self, request) -> str | None:
-        """Why `request` can never run in this pool, or None: the most it may hold (`_kvtrim_peak_blocks`;
-        its prompt, then its prompt and `max_tokens`, when its method does not bound it) exceeds every block."""
-        peak = self._kvtrim_peak_blocks(request)
-        method = self._kvtrim_method(request)
+    def _kvtrim_unfit(self, request, peak: int | None) -> str | None:
+        """Why `request` can never run in this pool, or None: the most it may hold (`peak`, its
+        `_kvtrim_peak_blocks`; its prompt and `max_tokens` when its method does not bound it) exceeds every block."""
         if peak is None:
             peak = blocks_needed(self._kvtrim_total(request), self.block_size)
         pool = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
         if peak <= pool:
             return None
+        method = self._kvtrim_method(request)
         name = "full" if method is None else type(method).__name__
         return (f"its prompt of {request.num_prompt_tokens} tokens and max_tokens={request.max_tokens} may take "
                 f"{peak} KV blocks under {name}, more than the {pool} of this server's pool: send a shorter request, "
