@@ -378,7 +378,9 @@ class TrimLayer(StoredLayer):
             return
         tail = self.method.prompt_queries()
         if phase is Phase.PREFILL and not ends and tail and queries is not None:  # for a deferred prompt end
-            self._prompt_queries = (queries[:, :, -tail:] if self.seq is None
+            # a copy: a slice would keep the forward's whole (batch, q_heads, q, head_dim) queries alive in
+            # every layer until the prompt ends (at 32k tokens, 8 GiB more than the cache on Llama-3.1-8B)
+            self._prompt_queries = (queries[:, :, -tail:].clone() if self.seq is None
                                     else self.seq.tail_queries(queries, tail, self._prompt_queries))
         self.evict(self._decide("on_attention", queries=queries, attention=attention))
 

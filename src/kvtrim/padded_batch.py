@@ -69,7 +69,8 @@ class PaddedBatch:
         """For a deferred prompt end: each sequence's own last `tail` real queries (a sequence without any
         in this forward keeps its `old` ones)."""
         old = old or [None] * queries.shape[0]
-        return [self.real_queries(b, queries)[:, :, -tail:] if n else old[b] for b, n in enumerate(self.new)]
+        # copies: a slice of the forward's queries would keep all of them alive until the prompt ends
+        return [self.real_queries(b, queries)[:, :, -tail:].clone() if n else old[b] for b, n in enumerate(self.new)]
 
     # ---- the method, once per sequence ------------------------------------------------------------
     def real_queries(self, b: int, queries):
