@@ -49,6 +49,23 @@ def test_h2o_prompt_sums_are_exact_for_any_block():
     assert torch.allclose(full.sum(-1), torch.full((2, 2), 3.0 * 33))
 
 
+def test_h2o_prompt_sums_match_the_dense_reference_for_any_layout():
+    """The blocked, in-place computation against the dense softmax of the whole prompt: GQA groups of 7
+    (Qwen2.5's 14 / 2), a batch, queries that are a transposed view (as attention hands them over), bf16
+    inputs (scored in float32), a later chunk (q_len < n) with a block that does not divide it."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 37, 14, 16).transpose(1, 2)  # (b, q_heads, n, d), not contiguous
+    k = torch.randn(2, 2, 37, 16)
+    full = causal_attention(q, k, 0.25).sum(dim=(2, 3))
+    for block in (1, 3, 16, 37, 64):
+        assert torch.allclose(prompt_attention_sums(q, k, 0.25, block), full, atol=1e-5)
+    part = causal_attention(q[:, :, -11:], k, 0.25).sum(dim=(2, 3))
+    assert torch.allclose(prompt_attention_sums(q[:, :, -11:], k, 0.25, 4), part, atol=1e-5)
+    half = causal_attention(q.bfloat16(), k.bfloat16(), 0.25).sum(dim=(2, 3))
+    got = prompt_attention_sums(q.bfloat16(), k.bfloat16(), 0.25, 8)
+    assert got.dtype == torch.float32 and torch.allclose(got, half, atol=1e-4)
+
+
 def test_h2o_budget_forms():
     assert kvtrim.H2O(budget=11).budgets() == (5, 6)
     assert kvtrim.H2O(heavy_budget=3, recent_budget=9).budgets() == (3, 9)

@@ -18,7 +18,7 @@ N, NEW = 96, 6
 SPECS = ["lagkv:compression_ratio=0.5:lag_size=16:sink_size=4", "lagkv:lag_size=16:sink_size=4",
          "keydiff:compression_ratio=0.5", "keydiff:budget=40:block_size=16", "snapkv:compression_ratio=0.5:window=8",
          "knorm:compression_ratio=0.75", "streaming:compression_ratio=0.5", "streaming:budget=40", "h2o:budget=40",
-         "tova:budget=40", "lazyeviction:budget=48:window=4", "adakv:method=snapkv:compression_ratio=0.5:window=8"]
+         "h2o:compression_ratio=0.5", "tova:budget=40", "tova:compression_ratio=0.5", "lazyeviction:budget=48:window=4", "adakv:method=snapkv:compression_ratio=0.5:window=8"]
 
 
 @pytest.fixture(scope="module")

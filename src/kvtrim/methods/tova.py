@@ -58,6 +58,9 @@ class TOVA(ScoringMethod):
         # every forward over budget (a ratio fixes the budget when the prompt ends)
         return Schedule(prefill="block" if self.budget is not None else "end", append=True, decode_slack=1)
 
+    def prompt_queries(self):
+        return 1  # a deferred prompt end (ratio mode) scores with the prompt's last query
+
     def score(self, view):
         if view.attention is not None:
             row = view.attention[:, :, -1]  # (b, q_heads, n)
