@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.methods.attention_scores import causal_attention, grouped
+from kvtrim.methods.attention_scores import grouped
 from kvtrim.methods.base import Schedule, ScoringMethod, check, kept_count, lowest_slot, span, top_indices
 
 
