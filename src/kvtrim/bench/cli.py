@@ -56,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-same-size-decode", action="store_true",
                    help="skip the reference decode with a full cache of each method's stored size (the physical "
                         "limit the decode step is compared with)")
+    p.add_argument("--no-path-memory", action="store_true",
+                   help="skip the tensor-peak measurement of each user path (kvtrim.prefill, model.generate with and "
+                        "without prompt_length=; once per method and length, untimed)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines")
     kv = p.add_argument_group("side by side with kvpress (--vs-kvpress)")
@@ -106,6 +109,7 @@ def cmd_bench(args) -> int:
         warmup=not args.no_warmup, trace_length=args.trace_length, trace_decode=args.trace_decode, seed=args.seed,
         threads=args.threads, max_context=args.max_context, time_budget_s=args.time_budget,
         same_size_decode=not args.no_same_size_decode, batch_sizes=args.batch_sizes,
+        path_memory=not args.no_path_memory,
     )
     config.validate()
     check(args.passkey_trials >= 1, f"--passkey-trials must be >= 1, got {args.passkey_trials}")

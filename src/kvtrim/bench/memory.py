@@ -9,13 +9,20 @@
   it sees only Python's allocator, not torch's.
 * CPU elsewhere (no `clear_refs`): a sampling thread reads the RSS every `interval_s` (a short peak
   between two samples can be missed; `kind` says "rss-sampled").
+
+`TensorPeak` measures tensors only, on both devices alike: on CUDA as above, on the CPU from torch's own
+allocation records (the profiler's memory events: every CPU tensor allocated and freed inside the block,
+in time order; `kind` "cpu-tensors"). The resident set also counts the allocator's retained pages and
+Python's objects; tensors are what a method's scratch and its cache are made of, and what CUDA reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -119,3 +126,69 @@ class PeakMemory:
             self._thread.join()
             peak = max(self._sampled_peak, current_rss())
         self.reading = PeakReading(max(0, peak - self._start), self._kind, self._start)
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null for the block (C++ code writes there directly)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class TensorPeak:
+    """Context manager: the most tensor memory a block adds above what it starts with, on CPU or CUDA.
+    `with TensorPeak(device) as m: ...; m.reading.peak_bytes`. On the CPU it runs torch's profiler with
+    memory recording for the block (a few % slower: not for timed blocks)."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.reading: PeakReading | None = None
+        self._profiler = None
+
+    def __enter__(self) -> TensorPeak:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+
+        self._start = 0
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _stderr_silenced():  # the profiler's tracing backend prints a line at start and stop
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.reading = PeakReading(max(0, peak), "cuda", self._start)
+            return
+        with _stderr_silenced():
+            self._profiler.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        self.reading = PeakReading(peak_of(self._profiler.profiler.kineto_results.events()), "cpu-tensors", 0)
+
+
+def peak_of(events) -> int:
+    """The highest running sum of the CPU memory events (`[memory]`, bytes allocated > 0, freed < 0) taken in
+    time order: the most tensor memory held above the start at any instant. Frees of tensors allocated
+    before the start are not recorded by torch (they would have made room): measure blocks that create
+    what they free (a fresh cache), as the benchmark's path measurements do."""
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type().name == "CPU")
+    held = peak = 0
+    for _, nbytes in changes:
+        held += nbytes
+        peak = max(peak, held)
+    return peak

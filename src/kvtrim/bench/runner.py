@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from kvtrim.bench.memory import PeakMemory
+from kvtrim.bench.paths import path_peaks
 from kvtrim.specs import MethodSpec, parse_method_spec, parse_method_specs
 from kvtrim.bench.timing import EvictionTimer
 from kvtrim.cache import TrimCache, TrimLayer
@@ -59,6 +60,7 @@ class BenchConfig:
     time_budget_s: float | None = None  # start no new repeat (and no trace) that would likely end past this
     same_size_decode: bool = True  # also decode with a full cache of each method's stored size (the physical limit)
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # sequences per cell (distinct, equal-length prompts)
+    path_memory: bool = True  # first repeat, smallest batch: tensor peak on each user path (`kvtrim.bench.paths`)
 
     def validate(self) -> None:
         check(bool(self.methods), "no method to benchmark")
@@ -260,7 +262,8 @@ def time_decode(model, cache: TrimCache, logits: torch.Tensor, n_tokens: int) ->
 
 # ---- one measurement ----------------------------------------------------------------------------
 def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig, length: int,
-                 repeat: int = 0, order: int = 0, return_cache: bool = False, tokenizer=None):
+                 repeat: int = 0, order: int = 0, return_cache: bool = False, tokenizer=None,
+                 paths: bool = False):
     """Measure one (method, prompt) cell. Returns a raw row (and the cache when `return_cache`).
 
     Methods with scoring passes (KVzip) run them between the prompt's forwards and the end of the
@@ -350,6 +353,12 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         mem_peak_bytes=max(pre.peak_bytes, dec.start_bytes - pre.start_bytes + dec.peak_bytes),
         first_tokens=generated[0, :8].tolist(),
     )
+    if paths:  # untimed, after the timed blocks: the tensor peak of each way a user runs the prompt
+        peaks = path_peaks(model, spec.build(n, config.compression_ratio), ids, sizes)
+        row.update({f"path_peak_{path}_bytes": peak for path, peak in peaks.items()})
+        row["path_peak_kind"] = "cuda" if device.type == "cuda" else "cpu-tensors"
+        layers = len(stats_prefill.evicting_layers)
+        row["layer_prompt_bytes"] = stats_prefill.bytes_full // layers if layers else None
     return (row, cache) if return_cache else row
 
 
@@ -495,8 +504,9 @@ def run_bench(model, tokenizer, config: BenchConfig, progress: Callable[[str], N
                 k = repeat % len(config.methods)
                 order = config.methods[k:] + config.methods[:k]
                 for position, spec in enumerate(order):
+                    paths = config.path_memory and repeat == 0 and batch == min(config.batch_sizes)
                     row = measure_cell(model, spec, batches[length, batch], config, length, repeat, position,
-                                       tokenizer=tokenizer)
+                                       tokenizer=tokenizer, paths=paths)
                     raw.append(row)
                     save()
                     if row["status"] == "ok":

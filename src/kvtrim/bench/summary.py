@@ -43,10 +43,12 @@ METRICS = (
     "stored_bytes_prefill", "full_bytes_prefill", "stored_bytes_end", "full_bytes_end",
     "kv_peak_layer_sum_bytes", "kv_live_peak_bytes", "mem_peak_prefill_bytes", "mem_peak_bytes",
     "decode_untimed_s", "decode_same_size_full_s", "decode_step_vs_same_size",
+    "path_peak_prefill_bytes", "path_peak_generate_bytes", "path_peak_generate_deferred_bytes", "layer_prompt_bytes",
 )
 #: metrics that results written before they existed lack (reports read those results too)
 LATER_METRICS = ("decode_untimed_s", "decode_same_size_full_s", "decode_step_vs_same_size", "scoring_s",
-                 "compress_s", "compress_vs_prefill")
+                 "compress_s", "compress_vs_prefill", "path_peak_prefill_bytes", "path_peak_generate_bytes",
+                 "path_peak_generate_deferred_bytes", "layer_prompt_bytes")
 #: metric -> name of its paired ratio against the full cache
 RATIOS = {
     "prefill_s": "prefill_vs_full",
@@ -56,6 +58,9 @@ RATIOS = {
     "kv_live_peak_bytes": "kv_live_peak_vs_full",
     "mem_peak_prefill_bytes": "mem_peak_prefill_vs_full",
     "mem_peak_bytes": "mem_peak_vs_full",
+    "path_peak_prefill_bytes": "path_peak_prefill_vs_full",
+    "path_peak_generate_bytes": "path_peak_generate_vs_full",
+    "path_peak_generate_deferred_bytes": "path_peak_generate_deferred_vs_full",
 }
 
 
@@ -116,6 +121,7 @@ def summarize(raw: list[dict], compression_ratio: float | None = None) -> list[d
         out["method_repr"] = ok[0].get("method_repr")
         out["prefill_schedule"] = ok[0].get("prefill_schedule")
         out["mem_kind"] = ok[0].get("mem_kind")
+        out["path_peak_kind"] = ok[0].get("path_peak_kind")
         # deterministic per cell (same prompt, same method): taken from the first repeat
         out["peak_per_layer"] = ok[0].get("peak_per_layer")
         out["stored_per_layer_prefill"] = ok[0].get("stored_per_layer_prefill")
