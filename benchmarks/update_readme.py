@@ -20,6 +20,7 @@ SECTIONS = {  # name: (source written by the benchmark, page holding the markers
     "passkey-table": ("benchmarks/passkey/table.md", "docs/results-passkey.md"),
     "eval-table": ("benchmarks/eval_quick/README.md", "docs/results-quick.md"),
     "bench-table": ("benchmarks/bench/README.md", "docs/results-speed.md"),
+    "peak-table": ("benchmarks/bench/paths.md", "README.md"),
     "reasoning-table": ("benchmarks/reasoning/preset/README.md", "docs/results-reasoning.md"),
 }
 

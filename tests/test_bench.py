@@ -570,8 +570,11 @@ def test_kvzip_cell_on_smollm2_runs_its_passes(smollm):
     model, tok = smollm
     cfg = BenchConfig(methods=[], compression_ratio=0.5, new_tokens=2, collect_garbage=False, same_size_decode=False)
     ids = tok("The quick brown fox jumps over the lazy dog. " * 30, return_tensors="pt").input_ids
-    row, cache = measure_cell(model, parse_spec("kvzip"), ids, cfg, ids.shape[-1], return_cache=True, tokenizer=tok)
+    row, cache = measure_cell(model, parse_spec("kvzip"), ids, cfg, ids.shape[-1], return_cache=True, tokenizer=tok,
+                              paths=True)
     assert row["status"] == "ok" and row["scoring_passes"] == 1 and row["scoring_s"] > 0
+    # its path peak: through the scoring passes (stock generate cannot run them: not measured)
+    assert row["path_peak_prefill_bytes"] > 0 and row["path_peak_generate_bytes"] is None
     ctx = compress(model, ids, parse_spec("kvzip").build(ids.shape[-1], 0.5), tokenizer=tok)
     n = ids.shape[-1]
     for mine, theirs in zip(cache.trim_layers(), ctx.cache.trim_layers()):  # head level: ragged rows (-1 pads)

@@ -23,6 +23,12 @@ ARCHS: dict[str, tuple[str, dict]] = {
         num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=False,
     )),
+    # Llama-3.1-8B's shapes (its "llama3" RoPE scaling left out: it changes no cost), for GPU memory runs
+    "llama-3.1-8b": ("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False,
+    )),
     # a 2-layer GQA toy for plumbing checks (tests, CPU dry runs of benchmarks/gpu.sh)
     "tiny-llama": ("llama", dict(
         vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

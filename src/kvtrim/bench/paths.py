@@ -1,8 +1,9 @@
 """Peak tensor memory of one method on each way a user runs a prompt, measured alike on CPU and CUDA.
 
 Paths (each from a fresh cache, the prompt then one decode step, greedy):
-* `prefill`: `kvtrim.prefill` (the forwards declared; the method's own blocks, KeyDiff `budget=`), then one
-  decode step: what `kvtrim.compress`, `kvtrim eval` and the benchmark's timed cells do;
+* `prefill`: `kvtrim.prefill` (the forwards declared; the method's own blocks, KeyDiff `budget=`; a method
+  with scoring passes, KVzip, runs them before the prompt ends, as `kvtrim.compress` does), then one decode
+  step: what `kvtrim.compress`, `kvtrim eval` and the benchmark's timed cells do;
 * `generate`: stock `model.generate(ids, cache=TrimCache(method, config=..., prompt_length=n))`, the README's
   first example: the forward that completes the prompt ends it, each layer evicting after its attention;
 * `generate_deferred`: the same without `prompt_length=`: the prompt ends at the first decode step, every
@@ -10,8 +11,12 @@ Paths (each from a fresh cache, the prompt then one decode step, greedy):
 
 The reading is `TensorPeak`: tensors only (the cache, the method's scratch and the forward's activations),
 above what was allocated before the path started (the model's weights). Every path allocates its cache
-inside the measured block, so its frees are seen. Methods with scoring passes (KVzip) run through
-`kvtrim.compress` only: their `generate` paths are not measured (None).
+inside the measured block, so its frees are seen. Methods with scoring passes (KVzip) cannot run through
+stock `generate`: their `generate` paths are not measured (None).
+
+A method sized by `budget=` evicts in every prompt forward over its budget whatever the path, so its three
+peaks are about equal; the paths differ for methods sized by `compression_ratio=` (which act when the prompt
+ends) and for cross-layer ones (AdaKV: the prompt ends after the forward on every path but `kvtrim.prefill`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from kvtrim.bench.memory import TensorPeak
 from kvtrim.cache import TrimCache
+from kvtrim.compress import run_scoring_passes
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.prefill import prefill
 
@@ -33,12 +39,16 @@ def _one_decode_step(model, cache: TrimCache, logits: torch.Tensor) -> None:
 
 
 def run_path(model, method: EvictionMethod, ids: torch.Tensor, path: str, chunk_sizes: list[int] | None = None,
-             ) -> TrimCache:
-    """Run `ids` `(batch, n)` and one decode step through `path` (see the module docstring); returns the cache."""
+             passes: list | None = None) -> TrimCache:
+    """Run `ids` `(batch, n)` and one decode step through `path` (see the module docstring); returns the cache.
+    `passes`: the method's scoring passes on `ids` (`scoring_inputs`), run before the prompt ends."""
     n = ids.shape[-1]
     if path == "prefill":
         cache = TrimCache(method, config=model.config)
-        logits = prefill(model, ids, cache, chunk_sizes=chunk_sizes)
+        logits = prefill(model, ids, cache, chunk_sizes=chunk_sizes, end_prompt=not passes)
+        if passes:
+            run_scoring_passes(model, cache, passes)
+            cache.end_prompt()
         _one_decode_step(model, cache, logits)
         return cache
     cache = TrimCache(method, config=model.config, prompt_length=n if path == "generate" else None)
@@ -53,7 +63,7 @@ def run_path(model, method: EvictionMethod, ids: torch.Tensor, path: str, chunk_
 
 @torch.no_grad()
 def path_peaks(model, method: EvictionMethod, ids: torch.Tensor, chunk_sizes: list[int] | None = None,
-               ) -> dict[str, int | None]:
+               passes: list | None = None) -> dict[str, int | None]:
     """`{"prefill": bytes, "generate": bytes, "generate_deferred": bytes}`: each path's tensor peak above its
     start (None where the path does not apply)."""
     device = ids.device
@@ -63,7 +73,7 @@ def path_peaks(model, method: EvictionMethod, ids: torch.Tensor, chunk_sizes: li
             out[path] = None
             continue
         with TensorPeak(device) as mem:
-            cache = run_path(model, method, ids, path, chunk_sizes)
+            cache = run_path(model, method, ids, path, chunk_sizes, passes)
             del cache
         out[path] = mem.reading.peak_bytes
     return out

@@ -73,6 +73,62 @@ def decode_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+PATH_COLUMNS = (("path_peak_prefill_bytes", "kvtrim.prefill"),
+                ("path_peak_generate_bytes", "model.generate, prompt_length="),
+                ("path_peak_generate_deferred_bytes", "model.generate, deferred end"))
+
+
+def _has_paths(result: dict) -> bool:
+    return any(r.get("path_peak_prefill_bytes") is not None for r in result["summary"])
+
+
+def path_bound(r: dict, full: dict, key: str) -> float | None:
+    """What a path may peak at: the full cache's activations on that path (its peak minus its stored KV)
+    plus, with 10 % of room, the method's cache after the prompt and one layer's whole prompt (the one
+    layer that holds it while its attention runs)."""
+    if full.get(key) is None or r.get(key) is None or r.get("layer_prompt_bytes") is None:
+        return None
+    activations = full[key] - full["stored_bytes_prefill"]
+    return activations + 1.10 * (r["stored_bytes_prefill"] + r["layer_prompt_bytes"])
+
+
+def path_table(result: dict) -> str:
+    """Tensor peak of each user path, per (length, method), against the full cache's on the same path."""
+    head = " | ".join(f"{name} MiB (× full)" for _, name in PATH_COLUMNS)
+    lines = [f"| prompt tokens | method | cache after the prompt MiB | one layer's prompt MiB | {head} |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(result["summary"], key=lambda r: (r["length"], r["method"] != "full")):
+        if r.get("status") != "ok" or r.get("path_peak_prefill_bytes") is None:
+            continue
+        cells = []
+        for key, _ in PATH_COLUMNS:
+            ratio = r.get(key.replace("_bytes", "_vs_full"))
+            cells.append("–" if r.get(key) is None else f"{r[key] / MIB:.0f} ({_f(ratio, '.2f')})")
+        layer = r.get("layer_prompt_bytes")
+        lines.append(f"| {r['prompt_tokens']} | {r['method']} | {r['stored_bytes_prefill'] / MIB:.1f} "
+                     f"| {_f(layer, '.1f', 1 / MIB)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def path_targets(result: dict) -> list[str]:
+    """Each method's peak on `kvtrim.prefill` and on `model.generate` with `prompt_length=` against
+    `path_bound`; methods that need attention against the others' highest peak."""
+    out = []
+    full = {r["length"]: r for r in result["summary"] if r["method"] == "full" and r.get("status") == "ok"}
+    for r in result["summary"]:
+        base = full.get(r["length"])
+        if r.get("status") != "ok" or r["method"] == "full" or base is None:
+            continue
+        for key, name in PATH_COLUMNS[:2]:
+            bound = path_bound(r, base, key)
+            if bound is None:
+                continue
+            ok = r[key] <= bound
+            out.append(f"- {'✅' if ok else '❌'} peak of `{r['method']}` at {r['prompt_tokens']} tokens, {name}: "
+                       f"{r[key] / MIB:.1f} MiB (bound {bound / MIB:.1f} MiB)")
+    return out
+
+
 def _base(method: str) -> str:
     return method.split(":")[0]
 
@@ -171,7 +227,10 @@ def result_section(result: dict, name: str) -> str:
              decode_table(result)]
     if result.get("batch_summary"):
         parts += ["", "Batches (`--batch-sizes`: distinct prompts of equal length, one cache):", "", batch_table(result)]
-    goals = targets(result)
+    if _has_paths(result):
+        parts += ["", "Peak tensor memory of each path a user runs the prompt through (prompt + one decode step, "
+                  "untimed, first repeat):", "", path_table(result)]
+    goals = targets(result) + path_targets(result)
     if goals:
         parts += ["", "Targets:", "", *goals]
     return "\n".join(parts)
@@ -251,7 +310,8 @@ def _results(directory: pathlib.Path) -> list[tuple[pathlib.Path, dict]]:
 def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots: bool = True) -> pathlib.Path:
     """From every `*.json` bench result in `directory`: `DETAILS.md` (every table, the plots; with `plots`
     the PNGs are redrawn) and the compact `README.md` (headline tables, targets, the kvpress comparison),
-    which `benchmarks/update_readme.py` copies into docs/results-speed.md."""
+    which `benchmarks/update_readme.py` copies into docs/results-speed.md; `paths.md` (the peak tensor
+    memory per user path of the results that measured it), copied into the README."""
     from kvtrim.bench.plots import plot_all
 
     directory = pathlib.Path(directory)
@@ -268,7 +328,9 @@ def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots:
         compact += [f"**{path.stem}** — `{cmd}`", "", environment_line(result), "", headline_table(result), ""]
         if result.get("batch_summary"):
             compact += [batch_table(result), ""]
-        goals = targets(result)
+        if _has_paths(result):
+            compact += ["Peak tensor memory per path (prompt + one decode step):", "", path_table(result), ""]
+        goals = targets(result) + path_targets(result)
         if goals:
             compact += [*goals, ""]
     where = os.path.relpath(directory) if not os.path.relpath(directory).startswith("..") else directory.as_posix()
@@ -282,6 +344,11 @@ def write_readme(directory: str | pathlib.Path, intro: str | None = None, plots:
     if notes.exists():
         details.append(notes.read_text())
         compact += ["", notes.read_text()]
+    paths = [f"**{path.stem}** — `{result['meta'].get('command', '')}`\n\n{environment_line(result)}\n\n"
+             f"{path_table(result)}\n\n" + "\n".join(path_targets(result))
+             for path, result in results if _has_paths(result)]
+    if paths:  # the README's peak-memory table (benchmarks/update_readme.py)
+        (directory / "paths.md").write_text("\n\n".join(paths).rstrip() + "\n")
     (directory / "DETAILS.md").write_text("\n\n".join(details).rstrip() + "\n")
     out = directory / "README.md"
     out.write_text("\n".join(compact).rstrip() + "\n")
@@ -316,6 +383,14 @@ Generated by `python -m kvtrim.bench.report benchmarks/bench` from the JSON file
 * **peak mem MiB prefill**: measured: on CPU the kernel's resident-set high-water mark during the
   prefill minus the resident set before it (reset through `/proc/self/clear_refs`); on CUDA
   `max_memory_allocated` minus the allocation before it. Activations are included.
+* **Peak tensor memory per path** (`kvtrim.bench.paths`, skipped by `--no-path-memory`): the prompt and one
+  decode step run once more, untimed, from a fresh cache, through `kvtrim.prefill` (declared forwards, the
+  method's blocks), stock `model.generate` with `TrimCache(..., prompt_length=n)` (each layer evicts after
+  its attention in the prompt's forward), and stock `model.generate` without it (the prompt ends at the
+  first decode step). Tensors only, above what was allocated before: on CPU from torch's allocation
+  records (the profiler's memory events), on CUDA `max_memory_allocated`; activations are included. The
+  target line per method: at most the full cache's activations on that path (its peak minus its KV) plus
+  1.1 × (the method's cache after the prompt + one layer's whole prompt).
 """
 
 

@@ -354,7 +354,7 @@ def measure_cell(model, spec: MethodSpec, ids: torch.Tensor, config: BenchConfig
         first_tokens=generated[0, :8].tolist(),
     )
     if paths:  # untimed, after the timed blocks: the tensor peak of each way a user runs the prompt
-        peaks = path_peaks(model, spec.build(n, config.compression_ratio), ids, sizes)
+        peaks = path_peaks(model, spec.build(n, config.compression_ratio), ids, sizes, passes)
         row.update({f"path_peak_{path}_bytes": peak for path, peak in peaks.items()})
         row["path_peak_kind"] = "cuda" if device.type == "cuda" else "cpu-tensors"
         layers = len(stats_prefill.evicting_layers)
