@@ -8,7 +8,9 @@
 # Writes OUT_DIR/gpu.json (raw + summary), README.md, DETAILS.md and paths.md: prefill time against the
 # full cache, and each method's peak memory (`torch.cuda.max_memory_allocated`, the weights excluded) on
 # each path a user runs the prompt through: kvtrim.prefill, model.generate with prompt_length=, and
-# model.generate with the deferred end (kvtrim.bench.paths).
+# model.generate with the deferred end (kvtrim.bench.paths). The one-shot methods are sized by
+# compression_ratio= (they act when the prompt ends, so the paths differ); a bare name would be sized by a
+# budget, which evicts in every prompt forward on every path.
 #
 # What it needs and how it gets it (nothing is installed when it is already there):
 # * torch with CUDA: the interpreter's own (PYTHON, default python3), else `pip install torch==2.13.0`;
@@ -37,7 +39,7 @@ PY=${PYTHON:-python3}
 DEVICE=${KVTRIM_GPU_DEVICE:-cuda}
 MODEL=${KVTRIM_GPU_MODEL:-arch:llama-3.1-8b}
 LENGTHS=${KVTRIM_GPU_LENGTHS:-8192,32768}
-METHODS=${KVTRIM_GPU_METHODS:-full,lagkv,keydiff,keydiff:budget=1024,snapkv,knorm,streaming,h2o,tova}
+METHODS=${KVTRIM_GPU_METHODS:-full,lagkv:compression_ratio=0.75,keydiff:compression_ratio=0.75,keydiff:budget=1024,snapkv:compression_ratio=0.75,knorm:compression_ratio=0.75,streaming:compression_ratio=0.75,h2o:compression_ratio=0.75,tova:compression_ratio=0.75}
 REPEATS=${KVTRIM_GPU_REPEATS:-2}
 NEW_TOKENS=${KVTRIM_GPU_NEW_TOKENS:-16}
 TRACE=${KVTRIM_GPU_TRACE:-0}
