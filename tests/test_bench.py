@@ -247,8 +247,15 @@ def test_compare_rows_from_hand_made_sides():
               "answers": [{"press": "full", "prompt": "p0", "tokens": [4, 2]}, {"press": "full", "prompt": "p1", "tokens": [7]},
                           {"press": "streaming", "prompt": "p0", "tokens": [9]},
                           {"press": "streaming", "prompt": "p1", "tokens": [1]}]}
+    mib = 2**20
+    ours["peaks"] = [{"press": "full", "prompt": "s", "prefill": 8 * mib, "generate": 8 * mib, "generate_deferred": 8 * mib},
+                     {"press": "streaming", "prompt": "s", "prefill": 4 * mib, "generate": 5 * mib,
+                      "generate_deferred": 8 * mib}]
+    theirs["peaks"] = [{"press": "full", "prompt": "s", "peak_bytes": 10 * mib},
+                       {"press": "streaming", "prompt": "s", "peak_bytes": 6 * mib}]
     rows = {r["method"]: r for r in compare(prompts, pairs, ours, theirs, lambda ids: "".join(map(str, ids)))}
     s = rows["streaming"]
+    assert s["kvpress_peak_bytes"] == 6 * mib and s["kvtrim_peak_generate_bytes"] == 5 * mib
     assert s["jaccard_mean"] == 3 / 5 and s["heads_identical"] == 0.0
     assert rows["full"]["jaccard_mean"] == 1.0 and rows["full"]["heads_identical"] == 1.0
     assert s["kvtrim_prefill_s"] == pytest.approx(2.4) and s["kvtrim_compress_s"] == pytest.approx(0.02)
@@ -261,6 +268,7 @@ def test_compare_rows_from_hand_made_sides():
                             "kvtrim_env": {"kvtrim": "0", "transformers": "5", "torch": "2"},
                             "kvpress_env": {"kvpress": "0.5.5", "transformers": "4"}}, "rows": list(rows.values())})
     assert "| 10 | streaming (StreamingLLMPress(n_sink=4)) | 0.6000 (0.600) | 0 % |" in md
+    assert "| 10 | streaming | 6 (0.60) | 4 (0.50) | 5 (0.62) | 8 (1.00) |" in md  # each side x its own full
 
 
 def test_kvtrim_counterparts_are_the_documented_modes():
@@ -290,6 +298,12 @@ def test_kvpress_runner_recovers_kept_rows():
     assert side.match_rows(full, full[keep]) == [0, 3, 9, 31, 49]
     with pytest.raises(RuntimeError, match="no exact match"):
         side.match_rows(full, torch.randn(2, 8))
+    # its peak measurement is kvtrim's own, loaded from the file next to it (no kvtrim import there)
+    peak = side.tensor_peak()
+    with peak("cpu") as mem:
+        block = torch.ones(2**20)
+        del block
+    assert mem.reading.kind == "cpu-tensors" and mem.reading.peak_bytes >= 4 * 2**20
 
 
 # ---- report and CLI -----------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def cmd_bench(args) -> int:
 
         cfg = CompareConfig(model=args.model, lengths=args.lengths, compression_ratio=args.compression_ratio,
                             repeats=args.repeats, passkey_trials=args.passkey_trials, new_tokens=args.max_new_tokens,
-                            kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed)
+                            kvpress_python=args.kvpress_python, threads=args.threads, seed=args.seed,
+                            peaks=not args.no_path_memory)
         run_compare(cfg, out, command=_command_line(), progress=_say(args.quiet))
         return 0
 

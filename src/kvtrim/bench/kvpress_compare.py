@@ -13,7 +13,9 @@ pair of equivalent methods this reports:
   rotate the method order), each side with its own full cache as the reference (the two sides run
   different transformers versions);
 * passkey accuracy on the same `kvtrim.passkey` samples (greedy, the key must appear in the answer),
-  and how often both sides produced the very same tokens.
+  and how often both sides produced the very same tokens;
+* peak tensor memory of the prompt and one decode step (`TensorPeak` on both sides; kvtrim on each of its
+  paths, `kvtrim.bench.paths`), unless `--no-path-memory`.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class CompareConfig:
     kvpress_runner: str | None = None  # default: kvpress_side.py next to this module
     threads: int | None = None
     seed: int = 0
+    peaks: bool = True  # peak tensor memory on both sides (kvtrim: each path), per selection prompt
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------
@@ -184,6 +187,23 @@ def kvtrim_kept_and_answers(model, prompts: list[dict], pairs: list[Pair], cfg: 
     return out
 
 
+def kvtrim_peaks(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig) -> list[dict]:
+    """Peak tensor memory of each pair's kvtrim method on each path (`kvtrim.bench.paths`), per selection prompt."""
+    from kvtrim.bench.paths import path_peaks
+
+    rows = []
+    for p in prompts:
+        if p["role"] != "selection":
+            continue
+        ids = torch.tensor([p["ids"]])
+        for pair in pairs:
+            method = pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio)
+            size = method.prefill_block_size()
+            sizes = None if size is None else [min(size, ids.shape[-1] - s) for s in range(0, ids.shape[-1], size)]
+            rows.append({"press": pair.name, "prompt": p["id"], **path_peaks(model, method, ids, sizes)})
+    return rows
+
+
 def kvtrim_timings(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConfig, repeat: int) -> list[dict]:
     """One interleaved timing repeat (the pair order rotates with `repeat`, as on the kvpress side)."""
     rows = []
@@ -243,6 +263,12 @@ def compare(prompts: list[dict], pairs: list[Pair], ours: dict, theirs: dict, de
                 same += a == b
             row.update(passkey_trials=n_pk, passkey_kvtrim=right_ours, passkey_kvpress=right_theirs,
                        answers_identical=same)
+            mine = next((x for x in ours.get("peaks", []) if x["press"] == pair.name and x["prompt"] == pid), None)
+            other = next((x for x in theirs.get("peaks", []) if x["press"] == pair.name and x["prompt"] == pid), None)
+            if mine is not None and other is not None:
+                row.update(kvpress_peak_bytes=other["peak_bytes"],
+                           **{f"kvtrim_peak_{path}_bytes": mine[path] for path in ("prefill", "generate",
+                                                                                   "generate_deferred")})
             rows.append(row)
     return rows
 
@@ -274,6 +300,24 @@ def markdown(result: dict) -> str:
             f"| {r['passkey_kvtrim']}/{r['passkey_trials']} / {r['passkey_kvpress']}/{r['passkey_trials']} "
             f"| {r['answers_identical']}/{r['passkey_trials']} |"
         )
+    if any("kvpress_peak_bytes" in r for r in result["rows"]):
+        lines += ["", "Peak tensor memory of the prompt and one decode step, above the model's weights (both sides "
+                  "through `kvtrim.bench.memory.TensorPeak`: torch's CPU allocation records); kvtrim on each path "
+                  "(`kvtrim.bench.paths`); in brackets, × each side's own full cache:", "",
+                  "| tokens | method | kvpress MiB | kvtrim.prefill MiB | model.generate, prompt_length= MiB "
+                  "| model.generate, deferred end MiB |", "|---:|---|---:|---:|---:|---:|"]
+        fulls = {r["length"]: r for r in result["rows"] if r["method"] == "full" and "kvpress_peak_bytes" in r}
+        for r in result["rows"]:
+            base = fulls.get(r["length"])
+            if "kvpress_peak_bytes" not in r or base is None:
+                continue
+            cells = []
+            for key in ("kvpress_peak_bytes", "kvtrim_peak_prefill_bytes", "kvtrim_peak_generate_bytes",
+                        "kvtrim_peak_generate_deferred_bytes"):
+                value, ref = r.get(key), base.get(key)
+                cells.append("–" if value is None else f"{value / 2**20:.0f} ({value / ref:.2f})" if ref else
+                             f"{value / 2**20:.0f}")
+            lines.append(f"| {r['prompt_tokens']} | {r['method']} | " + " | ".join(cells) + " |")
     lines += ["", "Notes:", ""]
     seen = set()
     for r in result["rows"]:
@@ -353,8 +397,11 @@ def run_compare(cfg: CompareConfig, out_dir: str | pathlib.Path, command: str = 
 
     # selections and answers first, then the timing repeats alternate between the two sides so that
     # changes in machine load hit both alike
-    theirs = kvpress_side("kept", tasks=["kept", "answers"])
+    tasks = ["kept", "answers"] + (["peaks"] if cfg.peaks else [])
+    theirs = kvpress_side("kept", tasks=tasks)
     ours = kvtrim_kept_and_answers(model, prompts, pairs, cfg)
+    if cfg.peaks:
+        ours["peaks"] = kvtrim_peaks(model, prompts, pairs, cfg)
     ours["timings"] = []
     progress("kvtrim side: selections and answers done")
     for repeat in range(cfg.repeats):

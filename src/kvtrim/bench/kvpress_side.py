@@ -10,8 +10,9 @@ Input (written by kvtrim): the model directory (safetensors), the compression ra
 the prompts as token ids (role "selection": timing and kept indices; role "passkey": answers), the tasks
 to do ("kept", "timings", "answers"), repeats (numbered from "repeat_base"), new tokens, torch threads. Output: per press and selection prompt, the kept indices per layer and KV
 head (recovered by matching the compressed keys against the keys before compression) and the
-timings of each repeat (prefill wall time, time inside `press.compress`); per passkey prompt, the
-greedy answer ids. kvpress compresses during the prefill only; decoding then runs with explicit
+timings of each repeat (prefill wall time, time inside `press.compress`), and ("peaks") the peak tensor
+memory of the prompt plus one decode step (`TensorPeak`, as kvtrim's side measures it); per passkey prompt,
+the greedy answer ids. kvpress compresses during the prefill only; decoding then runs with explicit
 position ids continuing from the original length, as its pipeline does.
 """
 
@@ -177,6 +178,21 @@ def greedy(model, cache, logits: torch.Tensor, start: int, new_tokens: int) -> l
     return out
 
 
+def tensor_peak():
+    """`kvtrim.bench.memory.TensorPeak`, loaded from its file next to this one: that module needs only torch,
+    while importing the kvtrim package would need transformers 5.x (the same measurement on both sides)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().with_name("memory.py")
+    spec = importlib.util.spec_from_file_location("kvtrim_bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module.TensorPeak
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True)
@@ -227,6 +243,18 @@ def main() -> int:
                 _, _, seconds, compress, _ = prefill(model, ids, build_press(pr["name"], ratio, pr.get("params", {})))
                 result["timings"].append({"press": pr["name"], "prompt": p["id"], "repeat": repeat,
                                           "prefill_s": seconds, "compress_s": compress})
+    # peak tensor memory: the prompt (compressed by the press inside its forward) and one greedy decode step
+    TensorPeak = tensor_peak() if "peaks" in tasks else None
+    for p in selection if "peaks" in tasks else []:
+        ids = torch.tensor([p["ids"]])
+        for pr in presses:
+            press = build_press(pr["name"], ratio, pr.get("params", {}))
+            with TensorPeak("cpu") as mem:
+                logits, cache, _, _, _ = prefill(model, ids, press)
+                greedy(model, cache, logits, ids.shape[-1], 2)
+                del cache, logits
+            result.setdefault("peaks", []).append({"press": pr["name"], "prompt": p["id"],
+                                                   "peak_bytes": mem.reading.peak_bytes})
     # passkey answers
     for p in passkey if "answers" in tasks else []:
         ids = torch.tensor([p["ids"]])
