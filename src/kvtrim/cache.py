@@ -518,7 +518,7 @@ class TrimCache(Cache):
             forward (the lowest peak: one layer's whole prompt at a time, as `kvtrim.prefill`). Without it
             every layer holds its whole prompt until the prompt ends at the first decode step (the same
             kept entries and tokens, a higher peak). A forward running past it is an error. Cross-layer
-            methods (AdaKV) still end the prompt after the forward, at the first decode step.
+            methods (KVzip) still end the prompt after the forward, at the first decode step.
 
     Use: `model.generate(ids, cache=TrimCache(LagKV(), config=model.config, prompt_length=ids.shape[-1]))`.
 
