@@ -15,8 +15,8 @@ inside the measured block, so its frees are seen. Methods with scoring passes (K
 stock `generate`: their `generate` paths are not measured (None).
 
 A method sized by `budget=` evicts in every prompt forward over its budget whatever the path, so its three
-peaks are about equal; the paths differ for methods sized by `compression_ratio=` (which act when the prompt
-ends) and for cross-layer ones (AdaKV: the prompt ends after the forward on every path but `kvtrim.prefill`).
+peaks are about equal; the paths differ for methods sized by `compression_ratio=`, which act when the prompt
+ends.
 """
 
 from __future__ import annotations

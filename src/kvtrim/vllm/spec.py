@@ -12,8 +12,9 @@ number of entries that depends on token counts only:
   the prompt's end; `budget=`: the prompt read in blocks of `block_size`, each evicting back to the budget,
   then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
 * not: methods that need queries or attention probabilities (SnapKV, H2O, TOVA, ...: they need an
-  attention backend that hands them over), scoring passes (KVzip), cross-layer methods (AdaKV) and
-  `skip_layers` (layers keeping different counts);
+  attention backend that hands them over), scoring passes and cross-layer decisions (KVzip), head-wise
+  budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
+  keeping different counts);
 * `full` keeps everything.
 
 Methods that installed packages register through the `kvtrim.methods` entry points are found here too:
