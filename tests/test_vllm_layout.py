@@ -13,7 +13,8 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 from kvtrim import Phase, TrimCache  # noqa: E402
 from kvtrim.vllm.compact import (RequestEntries, StoredCounts, block_end, compact, fill_holes,  # noqa: E402
                                  forward_steps)
-from kvtrim.vllm.layout import check_isa, read_request, write_entries  # noqa: E402
+from kvtrim.vllm.layout import (check_isa, move_entries, read_request, slot_places,  # noqa: E402
+                                write_entries)
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 
 BS, H, D, NB = 32, 3, 64, 12
@@ -77,6 +78,27 @@ def test_write_entries_is_a_read_modify_write(dtype):
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
+def test_move_entries_copies_each_heads_entry_in_place(dtype):
+    """`move_entries` (the positions-only path: where the moved entries lie is computed once for all layers) does
+    what reading the request, moving the entries and writing them back does, and nothing else."""
+    torch.manual_seed(6)
+    blocks = torch.tensor([5, 1, 11])
+    n = 2 * BS + 20
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    kernel_write(cache, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), request_slots(blocks, n))
+    heads, src, dst = torch.tensor([0, 1, 2, 2]), torch.tensor([2 * BS + 19, 2 * BS + 3, BS + 1, 2 * BS]), \
+        torch.tensor([4, 0, 7, BS + 30])
+    want_k, want_v = read_request(cache, blocks, n)
+    want_k[heads, dst], want_v[heads, dst] = want_k[heads, src], want_v[heads, src]
+    untouched = cache.clone()
+    move_entries(cache, heads, slot_places(blocks, src, BS), slot_places(blocks, dst, BS))
+    got_k, got_v = read_request(cache, blocks, n)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    others = torch.ones(NB, dtype=torch.bool)
+    others[blocks] = False
+    assert torch.equal(cache[others], untouched[others])  # other requests' blocks are left alone
+
+
 def test_fill_holes_moves_only_kept_entries_past_the_kept_count():
     """Slow reference: per head, the evicted slots below n_keep, filled in order by the kept slots past it."""
     torch.manual_seed(6)
@@ -104,7 +126,7 @@ def test_a_streaming_decode_step_moves_one_entry_per_head():
     method = method_for_vllm("streaming:budget=40")
     blocks = torch.tensor([3, 8, 1])
     prompt = 2 * BS
-    caches, _ = request_caches(blocks, prompt + 1, 1, torch.float32, seed=7)
+    caches, _ = request_caches(blocks, prompt + 1, 3, torch.float32, seed=7)
     entries = RequestEntries()
     compact(caches, blocks, method, entries, forward_steps(0, prompt, prompt), prompt, prompt)
     before = read_request(caches[0], blocks, 41)[0].clone()
@@ -112,6 +134,7 @@ def test_a_streaming_decode_step_moves_one_entry_per_head():
     after = read_request(caches[0], blocks, 40)[0]
     changed = (after != before[:, :40]).any(dim=-1)  # (h, 40): slots whose entry changed
     assert gone == prompt + 1 - 40 and changed.sum(dim=-1).tolist() == [1] * H
+    assert all(p is entries.positions[0] for p in entries.positions)  # one decision, one positions tensor
 
 
 def reference_kept(method, layers, prompt):

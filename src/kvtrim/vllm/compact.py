@@ -44,7 +44,7 @@ import torch
 
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
-from kvtrim.vllm.layout import read_entries, read_request, write_entries
+from kvtrim.vllm.layout import move_entries, read_request, slot_places, write_entries
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
 #: compaction failed (req_id -> why, one line): the scheduler ends them with an error
@@ -327,33 +327,40 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     old = stored - (end - told)  # entries stored before this forward's tokens
     h = kv_caches[0].shape[1]
     first = torch.arange(entries.seen, end).expand(h, -1)
-    slot_positions = [first if entries.positions is None else torch.cat([p, first], dim=-1)
-                      for p in (entries.positions or [None] * len(kv_caches))]
+    grown: dict[int, torch.Tensor] = {}  # layers that share one positions tensor share its extension too
+    slot_positions = []
+    for p in entries.positions or [None] * len(kv_caches):
+        if id(p) not in grown:
+            grown[id(p)] = first if p is None else torch.cat([p, first], dim=-1)
+        slot_positions.append(grown[id(p)])
     states = entries.states or [None] * len(kv_caches)
     cache = TrimCache(method, in_place_decode=False)
     new_positions, new_states, kept_counts = [], [], set()
-    shared = None  # positions-only: the one decision (its layer, kept count and moves)
-    if method.positions_only and all(torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
+    shared = None  # positions-only: the one decision (its layer, kept count, moves and new positions)
+    if method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
+                                     for p in slot_positions[1:]):
         none = torch.zeros(h, stored, 1)  # a stand-in: the method reads no keys or values
         layer, kept, n_keep = _decide(cache, 0, none, none, slot_positions[0], old, told, steps, prompt_tokens,
                                       states[0])
-        shared = layer, n_keep, fill_holes(kept, n_keep)
+        heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+        block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
+        places = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+        shared = layer, n_keep, heads, places, slot_positions[0].gather(-1, order)
     for idx, kv in enumerate(kv_caches):
         if shared is None:
             keys, values = read_request(kv, block_ids, stored)  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys, values, slot_positions[idx], old, told, steps,
                                           prompt_tokens, states[idx])
             heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
-        else:
-            layer, n_keep, (heads, from_slots, to_slots, order) = shared
+            if heads.numel():
+                write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
+            new_positions.append(slot_positions[idx].gather(-1, order))
+        else:  # one positions tensor for every layer: the next compaction finds them shared at once
+            layer, n_keep, heads, (source, target), positions = shared
+            if heads.numel():
+                move_entries(kv, heads, source, target)
+            new_positions.append(positions)
         kept_counts.add(n_keep)
-        if heads.numel():
-            if shared is None:
-                moved_k, moved_v = keys[heads, from_slots], values[heads, from_slots]
-            else:
-                moved_k, moved_v = read_entries(kv, block_ids, heads, from_slots)
-            write_entries(kv, block_ids, heads, to_slots, moved_k, moved_v)
-        new_positions.append(slot_positions[idx].gather(-1, order))
         new_states.append(layer.state)
     check(len(kept_counts) == 1,
           f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")

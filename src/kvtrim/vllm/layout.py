@@ -64,3 +64,19 @@ def read_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.T
     k_half, v_half = _halves(kv_cache)
     blk, off = _block_offset(block_ids, slots, kv_cache.shape[2])
     return k_half[blk, heads, :, off], v_half[blk, heads, off]
+
+
+def slot_places(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(block, offset)` `(m,)` each of a request's `slots` whose blocks are `block_ids`: where they lie in any
+    layer's cache (every layer of a request shares its block table), computed once for `move_entries`."""
+    return _block_offset(block_ids, slots, block_size)
+
+
+def move_entries(kv_cache: torch.Tensor, heads: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor],
+                 target: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Copy KV head `heads[i]`'s entry from `source` to `target` (`slot_places` of distinct slots), keys and
+    values, in place: one gather and one scatter per half, nothing converted (same cache, same dtype)."""
+    k_half, v_half = _halves(kv_cache)
+    (src_blk, src_off), (dst_blk, dst_off) = source, target
+    k_half[dst_blk, heads, :, dst_off] = k_half[src_blk, heads, :, src_off]
+    v_half[dst_blk, heads, dst_off] = v_half[src_blk, heads, src_off]
