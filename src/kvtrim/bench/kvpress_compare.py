@@ -197,10 +197,8 @@ def kvtrim_peaks(model, prompts: list[dict], pairs: list[Pair], cfg: CompareConf
             continue
         ids = torch.tensor([p["ids"]])
         for pair in pairs:
-            method = pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio)
-            size = method.prefill_block_size()
-            sizes = None if size is None else [min(size, ids.shape[-1] - s) for s in range(0, ids.shape[-1], size)]
-            rows.append({"press": pair.name, "prompt": p["id"], **path_peaks(model, method, ids, sizes)})
+            method = pair.kvtrim_method(ids.shape[-1], cfg.compression_ratio)  # prefilled in its own blocks
+            rows.append({"press": pair.name, "prompt": p["id"], **path_peaks(model, method, ids)})
     return rows
 
 

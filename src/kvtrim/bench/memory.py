@@ -150,28 +150,25 @@ class TensorPeak:
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.reading: PeakReading | None = None
+        self._cuda = PeakMemory(self.device) if self.device.type == "cuda" else None  # CUDA counts tensors itself
         self._profiler = None
 
     def __enter__(self) -> TensorPeak:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
+        if self._cuda is not None:
+            self._cuda.__enter__()
             return self
         from torch.profiler import ProfilerActivity, profile
 
-        self._start = 0
+        gc.collect()
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _stderr_silenced():  # the profiler's tracing backend prints a line at start and stop
             self._profiler.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            self.reading = PeakReading(max(0, peak), "cuda", self._start)
+        if self._cuda is not None:
+            self._cuda.__exit__(*exc)
+            self.reading = self._cuda.reading
             return
         with _stderr_silenced():
             self._profiler.__exit__(*exc)

@@ -26,6 +26,7 @@ import torch
 from kvtrim.bench.memory import TensorPeak
 from kvtrim.cache import TrimCache
 from kvtrim.compress import run_scoring_passes
+from kvtrim.decoding import pad_token_id
 from kvtrim.methods.base import EvictionMethod
 from kvtrim.prefill import prefill
 
@@ -41,7 +42,8 @@ def _one_decode_step(model, cache: TrimCache, logits: torch.Tensor) -> None:
 def run_path(model, method: EvictionMethod, ids: torch.Tensor, path: str, chunk_sizes: list[int] | None = None,
              passes: list | None = None) -> TrimCache:
     """Run `ids` `(batch, n)` and one decode step through `path` (see the module docstring); returns the cache.
-    `passes`: the method's scoring passes on `ids` (`scoring_inputs`), run before the prompt ends."""
+    `chunk_sizes`: the `kvtrim.prefill` path's forwards (default: the method's own blocks); `passes`: the
+    method's scoring passes on `ids` (`scoring_inputs`), run before the prompt ends."""
     n = ids.shape[-1]
     if path == "prefill":
         cache = TrimCache(method, config=model.config)
@@ -52,12 +54,8 @@ def run_path(model, method: EvictionMethod, ids: torch.Tensor, path: str, chunk_
         _one_decode_step(model, cache, logits)
         return cache
     cache = TrimCache(method, config=model.config, prompt_length=n if path == "generate" else None)
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(model.generation_config, "eos_token_id", None)
-        pad = pad[0] if isinstance(pad, list) else pad
     model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, min_new_tokens=2,
-                   do_sample=False, pad_token_id=0 if pad is None else pad)
+                   do_sample=False, pad_token_id=pad_token_id(model) or 0)
     return cache
 
 

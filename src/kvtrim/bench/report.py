@@ -10,7 +10,7 @@ import os
 import pathlib
 import sys
 
-from kvtrim.bench.summary import read_json, validate_result
+from kvtrim.bench.summary import RATIOS, read_json, validate_result
 from kvtrim.methods.base import KvtrimError
 
 MIB = 2**20
@@ -102,7 +102,7 @@ def path_table(result: dict) -> str:
             continue
         cells = []
         for key, _ in PATH_COLUMNS:
-            ratio = r.get(key.replace("_bytes", "_vs_full"))
+            ratio = r.get(RATIOS[key])
             cells.append("–" if r.get(key) is None else f"{r[key] / MIB:.0f} ({_f(ratio, '.2f')})")
         layer = r.get("layer_prompt_bytes")
         lines.append(f"| {r['prompt_tokens']} | {r['method']} | {r['stored_bytes_prefill'] / MIB:.1f} "
@@ -110,9 +110,9 @@ def path_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def path_targets(result: dict) -> list[str]:
+def path_checks(result: dict) -> list[tuple[bool, str]]:
     """Each method's peak on `kvtrim.prefill` and on `model.generate` with `prompt_length=` against
-    `path_bound`; methods that need attention against the others' highest peak."""
+    `path_bound`: `(within, what)` per (method, path)."""
     out = []
     full = {r["length"]: r for r in result["summary"] if r["method"] == "full" and r.get("status") == "ok"}
     for r in result["summary"]:
@@ -121,20 +121,24 @@ def path_targets(result: dict) -> list[str]:
             continue
         for key, name in PATH_COLUMNS[:2]:
             bound = path_bound(r, base, key)
-            if bound is None:
-                continue
-            ok = r[key] <= bound
-            out.append(f"- {'✅' if ok else '❌'} peak of `{r['method']}` at {r['prompt_tokens']} tokens, {name}: "
-                       f"{r[key] / MIB:.1f} MiB (bound {bound / MIB:.1f} MiB)")
+            if bound is not None:
+                out.append((r[key] <= bound, f"peak of `{r['method']}` at {r['prompt_tokens']} tokens, {name}: "
+                                             f"{r[key] / MIB:.1f} MiB (bound {bound / MIB:.1f} MiB)"))
     return out
 
 
+def path_targets(result: dict) -> list[str]:
+    """`path_checks` as target lines."""
+    return [f"- {'✅' if ok else '❌'} {what}" for ok, what in path_checks(result)]
+
+
 def path_targets_line(result: dict) -> str:
-    """`path_targets` in one line: how many (method, path) pairs are within their bound, and which are not."""
-    lines = path_targets(result)
-    missed = [line[4:] for line in lines if line.startswith("- ❌")]
+    """`path_checks` in one line: how many (method, path) pairs are within their bound, and which are not."""
+    checks = path_checks(result)
+    missed = [what for ok, what in checks if not ok]
     text = (f"Peak within the full cache's activations + 1.1 × (cache after the prompt + one layer's prompt), on "
-            f"`kvtrim.prefill` and on `model.generate` with `prompt_length=`: {len(lines) - len(missed)} of {len(lines)}")
+            f"`kvtrim.prefill` and on `model.generate` with `prompt_length=`: {len(checks) - len(missed)} of "
+            f"{len(checks)}")
     return text + ("." if not missed else "; not: " + "; ".join(missed) + ".")
 
 

@@ -34,8 +34,9 @@ def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return slabs[:, :, 0].view(nb, h, d, bs), slabs[:, :, 1].view(nb, h, bs, d)
 
 
-def _block_offset(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of a request's `slots` (its stored entries' indices) whose blocks are `block_ids`."""
+def slot_places(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(block, offset)` `(m,)` each of a request's `slots` (its stored entries' indices) whose blocks are
+    `block_ids`: where they lie in any layer's cache (every layer of a request shares its block table)."""
     return block_ids[slots // block_size], slots % block_size
 
 
@@ -43,7 +44,7 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     """Keys and values `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are
     `block_ids` `(num_request_blocks,)` int64 (copies)."""
     keys, values = _halves(kv_cache)
-    blk, off = _block_offset(block_ids, torch.arange(n), kv_cache.shape[2])
+    blk, off = slot_places(block_ids, torch.arange(n), kv_cache.shape[2])
     # advanced indices on dims 0 and 3 (keys) / 0 and 2 (values) -> (n, h, d)
     return keys[blk, :, :, off].transpose(0, 1).contiguous(), values[blk, :, off].transpose(0, 1).contiguous()
 
@@ -53,23 +54,9 @@ def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.
     """Store single entries: `keys[i]`, `values[i]` `(m, head_dim)` as KV head `heads[i]`'s entry at the request's
     slot `slots[i]` (`(m,)` int64 each; in place). Compaction moves only the entries it must with it."""
     k_half, v_half = _halves(kv_cache)
-    blk, off = _block_offset(block_ids, slots, kv_cache.shape[2])
+    blk, off = slot_places(block_ids, slots, kv_cache.shape[2])
     k_half[blk, heads, :, off] = keys.to(kv_cache.dtype)
     v_half[blk, heads, off] = values.to(kv_cache.dtype)
-
-
-def read_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor,
-                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values `(m, head_dim)` of KV head `heads[i]`'s entry at the request's slot `slots[i]` (copies)."""
-    k_half, v_half = _halves(kv_cache)
-    blk, off = _block_offset(block_ids, slots, kv_cache.shape[2])
-    return k_half[blk, heads, :, off], v_half[blk, heads, off]
-
-
-def slot_places(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(block, offset)` `(m,)` each of a request's `slots` whose blocks are `block_ids`: where they lie in any
-    layer's cache (every layer of a request shares its block table), computed once for `move_entries`."""
-    return _block_offset(block_ids, slots, block_size)
 
 
 def move_entries(kv_cache: torch.Tensor, heads: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor],
