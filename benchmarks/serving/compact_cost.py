@@ -1,13 +1,14 @@
-"""The cost of one request's compaction in kvtrim's vLLM worker, without a server: `kvtrim.vllm.compact.compact`
-on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a 56-block pool), one thread.
+"""What eviction costs one request in kvtrim's vLLM engine, without a server: the scheduler's planning
+(`kvtrim.vllm.compact.plan_forward`, every forward) and the worker's compactions (`compact`, on the forwards
+the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a
+56-block pool), one thread: the long-generation load's request (a 237-token prompt, then 2,000 decode steps).
 
-    .venv/bin/python benchmarks/serving/compact_cost.py [SPEC ...]     # default: streaming:budget=512
+    .venv/bin/python benchmarks/serving/compact_cost.py [SPEC ...]
+    # default: the long-generation load's methods (keydiff:budget=512 streaming:budget=512 lagkv:keep_ratio=0.125)
 
-A request with a 237-token prompt is compacted at its prompt's end, then after every decode step (as the
-worker does when the scheduler marks a step due; for StreamingLLM with a budget every step is due once the
-budget is reached). Prints the median wall time of 200 decode-step compactions after 300 warm-up steps.
-Methods that are due only every `block_size` steps (KeyDiff, LagKV's reference mode) are not measured here:
-the worker compacts them only on due steps.
+Prints per method: the planning per forward (µs, mean), the compactions while decoding (how many, median ms
+each) and what both cost per decode step on average (ms): the number to set beside a decode step's time
+(about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request).
 """
 
 from __future__ import annotations
@@ -18,30 +19,45 @@ import time
 
 import torch
 
-from kvtrim.methods.base import Phase
 from kvtrim.specs import parse_method_spec
-from kvtrim.vllm.compact import RequestEntries, compact
+from kvtrim.vllm.compact import RequestEntries, block_end, compact, plan_forward, prompt_block
 
-LAYERS, KV_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT = 30, 3, 128, 64, 56, 237
+LAYERS, KV_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 128, 64, 56, 237, 2000
+SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
 
 
-def median_compaction_ms(spec: str, warmup: int = 300, measured: int = 200) -> float:
+def request_cost(spec: str) -> dict:
+    """One request's planning and compactions under `spec`, timed (module docstring)."""
     method = parse_method_spec(spec).build()
     caches = [torch.randn(POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
-    blocks = torch.arange(0, -(-(PROMPT + warmup + measured) // BLOCK))
-    entries = RequestEntries()
-    compact(caches, blocks, method, entries, [(Phase.PREFILL, True, PROMPT)], PROMPT, PROMPT)
-    end, times = PROMPT, []
-    for step in range(warmup + measured):
-        end += 1
-        start = time.perf_counter()
-        compact(caches, blocks, method, entries, [(Phase.DECODE, False, 1)], end, PROMPT)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
+    entries, counts = RequestEntries(), {}
+    block, start, forwards = prompt_block(method), 0, []
+    while start < PROMPT:  # the prompt as the scheduler splits it (in blocks for KeyDiff budget=), then decoding
+        stop = PROMPT if block is None else block_end(start, PROMPT, block)
+        forwards.append((start, stop))
+        start = stop
+    forwards += [(PROMPT + i, PROMPT + i + 1) for i in range(OUTPUT)]
+    plan_s, compactions = [], []
+    for computed, end in forwards:
+        t0 = time.perf_counter()
+        due = plan_forward(counts, "request", method, computed, end, PROMPT)
+        t1 = time.perf_counter()
+        if due is not None:
+            compact(caches, blocks, method, entries, due.steps, due.end, PROMPT)
+            if computed >= PROMPT:
+                compactions.append(time.perf_counter() - t1)
+        if computed >= PROMPT:
+            plan_s.append(t1 - t0)
+    return {"plan_us": 1e6 * statistics.mean(plan_s), "compactions": len(compactions),
+            "compaction_ms": 1e3 * statistics.median(compactions) if compactions else 0.0,
+            "per_step_ms": 1e3 * (sum(plan_s) + sum(compactions)) / OUTPUT}
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for spec in sys.argv[1:] or ["streaming:budget=512"]:
-        print(f"{spec}: {median_compaction_ms(spec):.2f} ms per decode-step compaction (median of 200)")
+    print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18}")
+    for spec in sys.argv[1:] or SPECS:
+        r = request_cost(spec)
+        print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
+              f"{r['per_step_ms']:>18.3f}")
