@@ -120,21 +120,25 @@ def test_fill_holes_moves_only_kept_entries_past_the_kept_count():
         assert moves == want
 
 
-def test_a_streaming_decode_step_moves_one_entry_per_head():
-    """StreamingLLM over budget evicts one entry a step: the compaction moves the newest entry into its slot,
-    one write per KV head and layer, instead of shifting the whole window."""
+def test_a_streaming_decode_step_leaves_a_hole_the_next_token_fills():
+    """StreamingLLM over budget evicts one entry a step, the same slot in every layer and KV head: the compaction
+    moves nothing and leaves that slot as a hole, where the next token is written (`fill_hole`)."""
     method = method_for_vllm("streaming:budget=40")
     blocks = torch.tensor([3, 8, 1])
     prompt = 2 * BS
     caches, _ = request_caches(blocks, prompt + 1, 3, torch.float32, seed=7)
     entries = RequestEntries()
     compact(caches, blocks, method, entries, forward_steps(0, prompt, prompt), prompt, prompt)
-    before = read_request(caches[0], blocks, 41)[0].clone()
+    assert entries.hole is None  # the prompt's end evicted many: moved
+    before = [c.clone() for c in caches]
     gone = compact(caches, blocks, method, entries, forward_steps(prompt, prompt + 1, prompt), prompt + 1, prompt)
-    after = read_request(caches[0], blocks, 40)[0]
-    changed = (after != before[:, :40]).any(dim=-1)  # (h, 40): slots whose entry changed
-    assert gone == prompt + 1 - 40 and changed.sum(dim=-1).tolist() == [1] * H
+    assert gone == prompt + 1 - 40 and all(torch.equal(a, b) for a, b in zip(caches, before))  # nothing moved
+    hole = entries.hole
+    assert entries.m == 41 and hole == int(entries.positions[0][0].argsort()[method.sink_size])
     assert all(p is entries.positions[0] for p in entries.positions)  # one decision, one positions tensor
+    assert (entries.slots(0)[:, hole] == -1).all()
+    assert entries.fill_hole(prompt + 1) == hole and entries.hole is None and entries.seen == prompt + 2
+    assert (entries.slots(0)[:, hole] == prompt + 1).all() and all(p is entries.positions[0] for p in entries.positions)
 
 
 def reference_kept(method, layers, prompt):
@@ -170,13 +174,16 @@ def request_caches(blocks, n, n_layers, dtype, seed):
 def assert_holds(caches, blocks, originals, expected, entries):
     """Every layer's cache holds, for every KV head, exactly its original entries at the `expected` positions
     (in the slot order `entries.positions` records, then the tokens after its last compaction in order)."""
-    for cache, (k, v), kept, compacted in zip(caches, originals, expected, entries.positions):
-        tail = torch.arange(entries.seen, entries.seen + kept.shape[-1] - compacted.shape[-1]).expand(H, -1)
+    for i, (cache, (k, v), kept) in enumerate(zip(caches, originals, expected)):
+        compacted = entries.slots(i)  # -1 at a hole
+        filled = compacted.shape[-1] - (entries.hole is not None)
+        tail = torch.arange(entries.seen, entries.seen + kept.shape[-1] - filled).expand(H, -1)
         slots = torch.cat([compacted, tail], dim=-1)
-        assert torch.equal(slots.sort(dim=-1).values, kept)
-        got_k, got_v = read_request(cache, blocks, kept.shape[-1])
+        real = slots[0] >= 0  # the same slots in every head
+        assert torch.equal(slots[:, real].sort(dim=-1).values, kept)
+        got_k, got_v = read_request(cache, blocks, slots.shape[-1])
         for h in range(H):
-            assert torch.equal(got_k[h], k[h, slots[h]]) and torch.equal(got_v[h], v[h, slots[h]])
+            assert torch.equal(got_k[h, real], k[h, slots[h, real]]) and torch.equal(got_v[h, real], v[h, slots[h, real]])
 
 
 @pytest.mark.parametrize("spec", ["lagkv:compression_ratio=0.5:lag_size=32:sink_size=4", "keydiff:compression_ratio=0.5",
@@ -215,8 +222,9 @@ def test_decoding_compactions_keep_trimcache_positions(spec, dtype):
                  for (k, v), (mk, mv) in zip(originals, more)]
     counts, entries, gone, due_decodes = StoredCounts(method), RequestEntries(), 0, 0
     for end in [prompt] + list(range(prompt + 1, prompt + new + 1)):
-        if end > prompt:  # the decode step writes its token where the stored entries end
-            slot = request_slots(blocks, end - gone)[-1:]
+        if end > prompt:  # the decode step writes its token into the hole, or where the stored entries end
+            hole = entries.fill_hole(end - 1)
+            slot = request_slots(blocks, end - gone)[-1:] if hole is None else request_slots(blocks, hole + 1)[-1:]
             for cache, (mk, mv) in zip(caches, more):
                 kernel_write(cache, mk[end - prompt - 1:end - prompt], mv[end - prompt - 1:end - prompt], slot)
         steps = forward_steps(end - 1 if end > prompt else 0, end, prompt)

@@ -43,6 +43,7 @@ def request_cost(spec: str) -> dict:
         t0 = time.perf_counter()
         due = plan_forward(counts, "request", method, computed, end, PROMPT)
         t1 = time.perf_counter()
+        entries.fill_hole(computed)  # the worker's part of the forward: its first token may take a hole
         if due is not None:
             compact(caches, blocks, method, entries, due.steps, due.end, PROMPT)
             if computed >= PROMPT:

@@ -24,8 +24,9 @@ Two things follow a request through its forwards:
   per-layer state, as of its last compaction. At a due forward, `compact` reads the stored keys and values
   from the blocks, resumes a `TrimCache` with them in position order (`TrimLayer.resume`), feeds it the
   forward's steps on the real new entries, and moves only the kept entries that lie past the kept count
-  into the slots evicted entries left (`fill_holes`; a StreamingLLM decode step moves one entry per KV
-  head): no method is implemented a second time. Stored order is then not token order, which attention
+  into the slots evicted entries left (`fill_holes`; a StreamingLLM decode step moves nothing: the slot it
+  evicts, the same in every layer and KV head, takes the next token, `RequestEntries.fill_hole`): no method is
+  implemented a second time. Stored order is then not token order, which attention
   over stored entries does not see (RoPE is in the keys); the positions per slot are kept beside them.
 
 Forwards that are not due are not shown to the real method (reading a request's whole cache at every
@@ -260,10 +261,35 @@ class RequestEntries:
     positions: list[torch.Tensor] | None = None  # None: nothing compacted yet (entry i is token i)
     seen: int = 0
     states: list[Any] | None = None
+    #: a slot below `m` whose entry the last compaction evicted without moving another into it (the same in
+    #: every layer and KV head): the next token is written there (`fill_hole`), not after the stored entries
+    hole: int | None = None
 
     @property
     def m(self) -> int:
         return 0 if self.positions is None else self.positions[0].shape[-1]
+
+    def fill_hole(self, position: int) -> int | None:
+        """The request's next token (at `position`) is written into the hole, if there is one: returns its slot
+        (None: no hole, the token goes after the stored entries) and records the token there."""
+        if self.hole is None:
+            return None
+        check(position == self.seen, f"a hole was left at token {self.seen}, the next token is at {position}")
+        assert self.positions is not None
+        hole, self.hole, self.seen = self.hole, None, position + 1
+        filled: dict[int, torch.Tensor] = {}  # layers that share one positions tensor keep sharing it
+        for p in self.positions[:1] if all(p is self.positions[0] for p in self.positions) else self.positions:
+            if id(p) not in filled:
+                filled[id(p)] = p.index_fill(-1, torch.tensor([hole]), position)
+        self.positions = [filled[id(p)] for p in self.positions]
+        return hole
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """The positions `(kv_heads, m)` of the tokens in layer `layer`'s first `m` slots, -1 at the hole."""
+        assert self.positions is not None
+        if self.hole is None:
+            return self.positions[layer]
+        return self.positions[layer].index_fill(-1, torch.tensor([self.hole]), -1)
 
 
 def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -280,24 +306,28 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
     return heads, from_slots, to_slots, order
 
 
-def _decide(cache: TrimCache, idx: int, keys: torch.Tensor, values: torch.Tensor, slot_positions: torch.Tensor,
-            old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any):
+def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
+            slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any):
     """The method's decision on one layer's stored entries `(h, stored, d)` in slot order (`slot_positions`
-    `(h, stored)`; the first `old` stored before this forward): a `TrimLayer` resumed from them in position
-    order and fed the forward's `steps`. Returns the layer, what it keeps as a slot mask `(h, stored)` and the
-    kept count."""
+    `(h, stored)`; the first `old` stored before this forward; None for a positions-only method): a `TrimLayer`
+    resumed from them in position order and fed the forward's `steps`. Returns the layer, what it keeps as a
+    slot mask `(h, stored)` and the kept count."""
     h, stored = slot_positions.shape
-    # the method sees the entries in position order: the old ones sorted, this forward's after them
-    by_position = torch.cat([slot_positions[:, :old].argsort(dim=-1), torch.arange(old, stored).expand(h, -1)], -1)
+    # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
+    # wherever they lie: the first may have filled a hole)
+    by_position = slot_positions.argsort(dim=-1)
     sorted_positions = slot_positions.gather(-1, by_position)
+    if keys is None:  # a positions-only method: stand-ins, it reads no keys or values
+        keys = values = torch.zeros(1, 1, 1).expand(h, stored, 1)
+    else:
+        rows = (by_position + stored * torch.arange(h)[:, None]).flatten()  # whole rows: index_select is far
+        keys = keys.reshape(h * stored, -1).index_select(0, rows).view(h, stored, -1)  # faster than gather
+        values = values.reshape(h * stored, -1).index_select(0, rows).view(h, stored, -1)
     layer = TrimLayer(cache.method, idx, owner=cache, in_place_decode=False)
     cache.layers.append(layer)
     if told:
-        rows = (by_position[:, :old] + stored * torch.arange(h)[:, None]).flatten()  # whole rows: index_select
-        k_old = keys.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)  # is far faster than gather
-        v_old = values.reshape(h * stored, -1).index_select(0, rows).view(h, old, -1)
         ended = prompt_tokens if told >= prompt_tokens else None  # resumed inside the prompt (blocks): not ended
-        layer.resume(k_old[None], v_old[None], sorted_positions[None, :, :old], told, ended,
+        layer.resume(keys[None, :, :old], values[None, :, :old], sorted_positions[None, :, :old], told, ended,
                      layer.state if state is None else state)
     start = old
     for phase, ends, q in steps:
@@ -321,33 +351,41 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
 
     A method that reads positions only (`positions_only`: StreamingLLM) decides once, on no keys, for every
     layer whose slots hold the same positions (all of them, when it is the only method that compacted the
-    request), and only the moved entries are read."""
+    request), and only the moved entries are read. When a decode step evicts one entry, from the same slot in
+    every KV head (StreamingLLM over its budget), nothing moves: the slot is left as `entries.hole`, and the
+    request's next token is written there (`RequestEntries.fill_hole`)."""
+    check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
     old = stored - (end - told)  # entries stored before this forward's tokens
-    h = kv_caches[0].shape[1]
-    first = torch.arange(entries.seen, end).expand(h, -1)
-    grown: dict[int, torch.Tensor] = {}  # layers that share one positions tensor share its extension too
-    slot_positions = []
-    for p in entries.positions or [None] * len(kv_caches):
-        if id(p) not in grown:
-            grown[id(p)] = first if p is None else torch.cat([p, first], dim=-1)
-        slot_positions.append(grown[id(p)])
-    states = entries.states or [None] * len(kv_caches)
+    h, n_layers = kv_caches[0].shape[1], len(kv_caches)
+    slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
+    states = entries.states or [None] * n_layers
     cache = TrimCache(method, in_place_decode=False)
-    new_positions, new_states, kept_counts = [], [], set()
-    shared = None  # positions-only: the one decision (its layer, kept count, moves and new positions)
+    hole = None
     if method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
                                      for p in slot_positions[1:]):
-        none = torch.zeros(h, stored, 1)  # a stand-in: the method reads no keys or values
-        layer, kept, n_keep = _decide(cache, 0, none, none, slot_positions[0], old, told, steps, prompt_tokens,
+        layer, kept, n_keep = _decide(cache, 0, None, None, slot_positions[0], old, told, steps, prompt_tokens,
                                       states[0])
-        heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
-        block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
-        places = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
-        shared = layer, n_keep, heads, places, slot_positions[0].gather(-1, order)
-    for idx, kv in enumerate(kv_caches):
-        if shared is None:
+        lost = (~kept).nonzero()  # (evicted, 2): (head, slot), head-major
+        if _leaves_hole(steps) and n_keep == stored - 1 and bool((lost[:, 1] == lost[0, 1]).all()):
+            # one entry left, from the same slot in every KV head (and layer): nothing moves, the next token
+            # is written there (the worker's `fill_hole`)
+            hole, positions = int(lost[0, 1]), slot_positions[0]
+        else:
+            heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+            if heads.numel():
+                block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
+                source = slot_places(block_ids, from_slots, block_size)
+                target = slot_places(block_ids, to_slots, block_size)
+                for kv in kv_caches:
+                    move_entries(kv, heads, source, target)
+            positions = slot_positions[0].gather(-1, order)
+        # one positions tensor for every layer: the next compaction finds them shared at once
+        new_positions, new_states, kept_counts = [positions] * n_layers, [layer.state] * n_layers, {n_keep}
+    else:
+        new_positions, new_states, kept_counts = [], [], set()
+        for idx, kv in enumerate(kv_caches):
             keys, values = read_request(kv, block_ids, stored)  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys, values, slot_positions[idx], old, told, steps,
                                           prompt_tokens, states[idx])
@@ -355,19 +393,41 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             if heads.numel():
                 write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
             new_positions.append(slot_positions[idx].gather(-1, order))
-        else:  # one positions tensor for every layer: the next compaction finds them shared at once
-            layer, n_keep, heads, (source, target), positions = shared
-            if heads.numel():
-                move_entries(kv, heads, source, target)
-            new_positions.append(positions)
-        kept_counts.add(n_keep)
-        new_states.append(layer.state)
+            kept_counts.add(n_keep)
+            new_states.append(layer.state)
     check(len(kept_counts) == 1,
           f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")
-    entries.positions, entries.seen, entries.states = new_positions, end, new_states
+    entries.positions, entries.seen, entries.states, entries.hole = new_positions, end, new_states, hole
     return end - kept_counts.pop()
 
 
+def _extended(positions: list[torch.Tensor] | None, new: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
+    """Each layer's slot positions `(h, m)` followed by the `new` tokens' `(h, q)`; layers that share one
+    positions tensor share its extension too."""
+    if positions is None:
+        return [new] * n_layers
+    if all(p is positions[0] for p in positions):
+        return [torch.cat([positions[0], new], dim=-1)] * n_layers
+    grown: dict[int, torch.Tensor] = {}
+    for p in positions:
+        if id(p) not in grown:
+            grown[id(p)] = torch.cat([p, new], dim=-1)
+    return [grown[id(p)] for p in positions]
+
+
+def _leaves_hole(steps: list[Step]) -> bool:
+    """A compaction after a forward that ends in a decode step may leave a hole (the next forward's first token
+    fills it); it then keeps one slot more than it stores (`slots_held`)."""
+    return steps[-1][0] is Phase.DECODE
+
+
+def slots_held(due: Due) -> int:
+    """The slots a request keeps after its compaction at `due` (the scheduler keeps their blocks, the worker its
+    block ids): what it stores, plus one after a decode step: the next token's slot (the hole the compaction
+    left, or the one after the stored entries), whose block the next step would otherwise take back at once."""
+    return due.end - due.discarded + _leaves_hole(due.steps)
+
+
 def blocks_needed(entries: int, block_size: int) -> int:
-    """Blocks that hold a request's first `entries` stored entries (what it keeps after a compaction)."""
+    """Blocks that hold a request's first `entries` stored entries (or slots)."""
     return -(-entries // block_size)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, Due, StepPlan, StoredCounts, block_end, blocks_needed,
-                                 plan_forward, prompt_block, prompt_peak)
+                                 plan_forward, prompt_block, prompt_peak, slots_held)
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -127,13 +127,13 @@ class CompactingKVCacheManager(KVCacheManager):
         finally:
             request.num_computed_tokens += gone
 
-    def compacted(self, request_id: str, stored: int, gone: int) -> int:
-        """The request stored `stored` entries and compaction discarded `gone` of them: free its blocks past
-        what the rest needs; returns the number of blocks freed."""
+    def compacted(self, request_id: str, gone: int, slots: int) -> int:
+        """Compaction discarded `gone` of the request's entries so far and it keeps `slots` slots (`slots_held`):
+        free its blocks past them; returns the number of blocks freed."""
         self.kvtrim_discarded[request_id] = gone
         (manager,) = self.coordinator.single_type_managers  # one KV cache group (the worker checks it)
         blocks = manager.req_to_blocks.get(request_id)
-        keep = blocks_needed(stored - gone, manager.block_size)
+        keep = blocks_needed(slots, manager.block_size)
         if not blocks or len(blocks) <= keep:
             return 0
         tail = blocks[keep:]
@@ -253,9 +253,9 @@ class TrimScheduler(Scheduler):
         refused.clear()
         due, self._kvtrim_due = self._kvtrim_due, {}
         for req_id, plan in due.items():
-            stored, gone = plan.end, plan.discarded
+            gone = plan.discarded
             if gone and req_id not in failed and req_id in self.requests and not self.requests[req_id].is_finished():
-                freed = self.kv_cache_manager.compacted(req_id, stored, gone)
+                freed = self.kv_cache_manager.compacted(req_id, gone, slots_held(plan))
                 self.kvtrim_freed_blocks += freed
                 if freed:
                     logger.info("kvtrim: request %s returned %d blocks to the pool (%d free)", req_id, freed,

@@ -36,7 +36,8 @@ import torch
 
 from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, blocks_needed, compact
+from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, blocks_needed, compact,
+                                 slots_held)
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm.layout import check_isa
@@ -102,10 +103,14 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_due = []
         plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
         self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
+        holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
             discarded[i] = self.kvtrim_discarded.get(req_id, 0)
+            entries = self.kvtrim_entries.get(req_id)
+            if entries is not None and entries.hole is not None and num_scheduled_tokens[i]:
+                holes.append((i, entries.fill_hole(int(computed[i]))))
             due = plan.due.get(req_id)
             if due is not None:
                 self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
@@ -115,9 +120,11 @@ class TrimModelRunner(CPUModelRunner):
             d = torch.from_numpy(discarded).to(self.seq_lens.dtype)
             self.seq_lens[:num_reqs] -= d
             self.optimistic_seq_lens_cpu[:num_reqs] -= d.to(self.optimistic_seq_lens_cpu.dtype)
-            # slots from the stored count, positions (RoPE) stay the token's own
-            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1],
-                                                   self.positions[:total] - shift)
+            # slots from the stored count (or a hole a compaction left), positions (RoPE) stay the token's own
+            slots = self.positions[:total] - shift
+            for i, hole in holes:
+                slots[int(self.query_start_loc.np[i])] = hole
+            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
         return out
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -184,10 +191,11 @@ class TrimModelRunner(CPUModelRunner):
             self._kvtrim_failed[req_id] = why  # the scheduler ends it; its blocks go back with it
             # until it ends, its slots follow the scheduler's count (its entries no longer matter)
             self.kvtrim_discarded[req_id] = expected
-            self._drop_tail_blocks(req_id, end - expected)
+            entries.hole = None
+            self._drop_tail_blocks(req_id, slots_held(plan))
             return
         self.kvtrim_discarded[req_id] = gone
-        self._drop_tail_blocks(req_id, end - gone)
+        self._drop_tail_blocks(req_id, slots_held(plan))
         self.kvtrim_compactions += 1
         self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
@@ -196,12 +204,12 @@ class TrimModelRunner(CPUModelRunner):
         logger.info("kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end,
                     when, type(method).__name__, 1000 * seconds)
 
-    def _drop_tail_blocks(self, req_id: str, entries: int) -> None:
-        """The request's block ids past the `entries` it stores now leave its block table (the scheduler
+    def _drop_tail_blocks(self, req_id: str, slots: int) -> None:
+        """The request's block ids past the `slots` it keeps (`slots_held`) leave its block table (the scheduler
         frees the same blocks after this step; later steps append new blocks after the kept ones)."""
         ids = self.requests[req_id].block_ids[0]
         table = self.input_batch.block_table[0]
-        keep = blocks_needed(entries, table.block_size)
+        keep = blocks_needed(slots, table.block_size)
         if len(ids) <= keep:
             return
         del ids[keep:]
