@@ -11,6 +11,7 @@ vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU buil
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
+import kvtrim.vllm.compact as compact_module  # noqa: E402
 from kvtrim.vllm.compact import (RequestEntries, StoredCounts, block_end, compact, fill_holes,  # noqa: E402
                                  forward_steps)
 from kvtrim.vllm.layout import (check_isa, move_entries, read_request, slot_places,  # noqa: E402
@@ -207,12 +208,16 @@ def test_compaction_keeps_trimcache_positions(spec, dtype):
 @pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:keep_ratio=0.25:lag_size=8:sink_size=2",
                                   "keydiff:budget=40:block_size=16", "keydiff:budget=50:block_size=8:sink_size=4",
                                   "streaming:budget=40", "streaming:budget=30:sink_size=2"])
-def test_decoding_compactions_keep_trimcache_positions(spec, dtype):
+@pytest.mark.parametrize("layer_group", [10, 2])
+def test_decoding_compactions_keep_trimcache_positions(spec, dtype, layer_group, monkeypatch):
     """The engine's path, token by token: each decode step's entry lands at the slot after what the request
-    stores, the stand-in says which steps are due, and those compact the blocks. The blocks end up holding
-    exactly what `TrimCache` keeps when generate feeds it the same keys (prompt, then one token at a time)."""
+    stores (or in the hole the last compaction left), the stand-in says which steps are due, and those compact
+    the blocks (methods whose layers are alike decide them in batches of `layer_group` layers). The blocks end
+    up holding exactly what `TrimCache` keeps when generate feeds it the same keys (prompt, then one token at a
+    time), layer by layer."""
+    monkeypatch.setattr(compact_module, "LAYER_GROUP", layer_group)
     method = method_for_vllm(spec)
-    prompt, new, n_layers = 2 * BS + 5, 70, 2
+    prompt, new, n_layers = 2 * BS + 5, 70, 3
     blocks = torch.tensor([9, 4, 11, 0, 7, 2])
     caches, originals = request_caches(blocks, prompt, n_layers, dtype, seed=3)
     torch.manual_seed(4)

@@ -21,6 +21,7 @@ import torch
 
 from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import RequestEntries, block_end, compact, plan_forward, prompt_block
+from kvtrim.vllm.layout import write_entries
 
 LAYERS, KV_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 128, 64, 56, 237, 2000
 SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
@@ -31,7 +32,8 @@ def request_cost(spec: str) -> dict:
     method = parse_method_spec(spec).build()
     caches = [torch.randn(POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
-    entries, counts = RequestEntries(), {}
+    entries, counts, discarded = RequestEntries(), {}, 0
+    fresh = torch.randn(2, PROMPT + OUTPUT, KV_HEADS, HEAD_DIM).bfloat16()  # (k/v, token, head, d)
     block, start, forwards = prompt_block(method), 0, []
     while start < PROMPT:  # the prompt as the scheduler splits it (in blocks for KeyDiff budget=), then decoding
         stop = PROMPT if block is None else block_end(start, PROMPT, block)
@@ -43,11 +45,17 @@ def request_cost(spec: str) -> dict:
         t0 = time.perf_counter()
         due = plan_forward(counts, "request", method, computed, end, PROMPT)
         t1 = time.perf_counter()
-        entries.fill_hole(computed)  # the worker's part of the forward: its first token may take a hole
+        hole = entries.fill_hole(computed)  # the worker's part of the forward: its first token may take a hole
+        t2 = time.perf_counter()
+        if computed >= PROMPT:  # the forward writes its token's entry (fresh: a moved entry's copy would tie)
+            slot = torch.tensor([computed - discarded if hole is None else hole])
+            for kv in caches:
+                write_entries(kv, blocks, torch.arange(KV_HEADS), slot.expand(KV_HEADS), *fresh[:, computed])
+        t3 = time.perf_counter()
         if due is not None:
-            compact(caches, blocks, method, entries, due.steps, due.end, PROMPT)
+            discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT)
             if computed >= PROMPT:
-                compactions.append(time.perf_counter() - t1)
+                compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:
             plan_s.append(t1 - t0)
     return {"plan_us": 1e6 * statistics.mean(plan_s), "compactions": len(compactions),

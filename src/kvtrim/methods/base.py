@@ -349,6 +349,13 @@ class EvictionMethod:
         """False for layers this method leaves uncompressed (LagKV's `skip_layers`); wrappers ask it."""
         return True
 
+    def layers_alike(self) -> bool:
+        """True when the method decides every layer by one rule from that layer's own keys, values and
+        positions (each batch row and KV head apart), with a per-layer state that follows token counts only
+        (the same in every layer): no layer is treated apart. kvtrim's vLLM worker then runs a request's
+        layers through it as one batch (one run instead of one per layer; the same decisions)."""
+        return False
+
     @classmethod
     def at_budget(cls, budget: int, context_length: int, **params) -> EvictionMethod:
         """This method configured to hold about `budget` entries per KV head and layer once a prompt of

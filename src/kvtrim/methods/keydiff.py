@@ -128,6 +128,9 @@ class KeyDiff(ScoringMethod):
         # every prompt block and every append over budget; decoding waits for a full block
         return Schedule(prefill="block", append=True, decode_slack=self.block_size, block_size=self.block_size)
 
+    def layers_alike(self):
+        return True
+
     def score(self, view):
         return keydiff_scores(view.keys)
 

@@ -21,5 +21,8 @@ class KNorm(ScoringMethod):
     name = "knorm"
     summary = "keep the keys with the lowest L2 norm (KNorm); attention-free"
 
+    def layers_alike(self):
+        return True
+
     def score(self, view):
         return -view.keys.float().norm(dim=-1)

@@ -273,6 +273,9 @@ class LagKV(ScoringMethod):
     def evicts_layer(self, layer_idx: int) -> bool:
         return layer_idx not in self.skip_layers
 
+    def layers_alike(self):  # the compressed count in its state follows the token count
+        return not self.skip_layers
+
     @property
     def mode(self) -> str:
         return "reference" if self.keep_ratio is not None else "global"

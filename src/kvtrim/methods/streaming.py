@@ -54,6 +54,9 @@ class StreamingLLM(ScoringMethod):
             return Schedule()
         return Schedule(prefill="block", append=True, decode_slack=1)
 
+    def layers_alike(self):
+        return True
+
     def score(self, view):
         return view.positions  # recency (select below needs no sort)
 

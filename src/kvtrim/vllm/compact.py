@@ -308,37 +308,38 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
 
 def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
             slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any):
-    """The method's decision on one layer's stored entries `(h, stored, d)` in slot order (`slot_positions`
-    `(h, stored)`; the first `old` stored before this forward; None for a positions-only method): a `TrimLayer`
+    """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
+    stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
+    (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
     resumed from them in position order and fed the forward's `steps`. Returns the layer, what it keeps as a
-    slot mask `(h, stored)` and the kept count."""
-    h, stored = slot_positions.shape
+    slot mask `(b, h, stored)` and the kept count."""
+    b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
     by_position = slot_positions.argsort(dim=-1)
     sorted_positions = slot_positions.gather(-1, by_position)
     if keys is None:  # a positions-only method: stand-ins, it reads no keys or values
-        keys = values = torch.zeros(1, 1, 1).expand(h, stored, 1)
-    else:
-        rows = (by_position + stored * torch.arange(h)[:, None]).flatten()  # whole rows: index_select is far
-        keys = keys.reshape(h * stored, -1).index_select(0, rows).view(h, stored, -1)  # faster than gather
-        values = values.reshape(h * stored, -1).index_select(0, rows).view(h, stored, -1)
+        keys = values = torch.zeros(1, 1, 1, 1).expand(b, h, stored, 1)
+    else:  # whole rows: index_select is far faster than gather
+        rows = (by_position + stored * torch.arange(b * h).view(b, h, 1)).flatten()
+        keys = keys.reshape(b * h * stored, -1).index_select(0, rows).view(b, h, stored, -1)
+        values = values.reshape(b * h * stored, -1).index_select(0, rows).view(b, h, stored, -1)
     layer = TrimLayer(cache.method, idx, owner=cache, in_place_decode=False)
     cache.layers.append(layer)
     if told:
         ended = prompt_tokens if told >= prompt_tokens else None  # resumed inside the prompt (blocks): not ended
-        layer.resume(keys[None, :, :old], values[None, :, :old], sorted_positions[None, :, :old], told, ended,
+        layer.resume(keys[:, :, :old], values[:, :, :old], sorted_positions[:, :, :old], told, ended,
                      layer.state if state is None else state)
     start = old
     for phase, ends, q in steps:
         with cache.phase(phase, ends_prompt=ends):
-            cache.update(keys[None, :, start:start + q], values[None, :, start:start + q], len(cache.layers) - 1)
+            cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
-    pos = layer.positions[0]  # (h, n_keep), ascending
+    pos = layer.positions  # (b, h, n_keep), ascending
     kept_slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
-    return layer, torch.zeros(h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
+    return layer, torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
 
 
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
@@ -353,7 +354,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     layer whose slots hold the same positions (all of them, when it is the only method that compacted the
     request), and only the moved entries are read. When a decode step evicts one entry, from the same slot in
     every KV head (StreamingLLM over its budget), nothing moves: the slot is left as `entries.hole`, and the
-    request's next token is written there (`RequestEntries.fill_hole`)."""
+    request's next token is written there (`RequestEntries.fill_hole`). A method whose layers are alike
+    (`layers_alike`: KeyDiff, KNorm, LagKV) decides `LAYER_GROUP` layers at a time, as one batch."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
@@ -361,35 +363,31 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     h, n_layers = kv_caches[0].shape[1], len(kv_caches)
     slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
     states = entries.states or [None] * n_layers
-    cache = TrimCache(method, in_place_decode=False)
+    forward = old, told, steps, prompt_tokens  # what `_decide` needs of the forward besides the entries
     hole = None
     if method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
                                      for p in slot_positions[1:]):
-        layer, kept, n_keep = _decide(cache, 0, None, None, slot_positions[0], old, told, steps, prompt_tokens,
-                                      states[0])
-        lost = (~kept).nonzero()  # (evicted, 2): (head, slot), head-major
-        if _leaves_hole(steps) and n_keep == stored - 1 and bool((lost[:, 1] == lost[0, 1]).all()):
-            # one entry left, from the same slot in every KV head (and layer): nothing moves, the next token
-            # is written there (the worker's `fill_hole`)
-            hole, positions = int(lost[0, 1]), slot_positions[0]
-        else:
-            heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
-            if heads.numel():
-                block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
-                source = slot_places(block_ids, from_slots, block_size)
-                target = slot_places(block_ids, to_slots, block_size)
-                for kv in kv_caches:
-                    move_entries(kv, heads, source, target)
-            positions = slot_positions[0].gather(-1, order)
+        n_keep, positions, state, hole = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
+                                                                 states[0], forward)
         # one positions tensor for every layer: the next compaction finds them shared at once
-        new_positions, new_states, kept_counts = [positions] * n_layers, [layer.state] * n_layers, {n_keep}
+        new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
+    elif method.layers_alike() and _same(states):
+        new_positions, new_states, kept_counts = [], [], set()
+        for first in range(0, n_layers, LAYER_GROUP):  # groups of layers: small temporaries, reused memory
+            group = slice(first, first + LAYER_GROUP)
+            n_keep, positions, state = _compact_as_one_batch(method, kv_caches[group], block_ids,
+                                                             slot_positions[group], states[first], forward)
+            new_positions += positions
+            new_states += [state] + [copy.deepcopy(state) for _ in positions[1:]]
+            kept_counts.add(n_keep)
     else:
         new_positions, new_states, kept_counts = [], [], set()
+        cache = TrimCache(method, in_place_decode=False)
         for idx, kv in enumerate(kv_caches):
-            keys, values = read_request(kv, block_ids, stored)  # (h, stored, d), slot order
-            layer, kept, n_keep = _decide(cache, idx, keys, values, slot_positions[idx], old, told, steps,
-                                          prompt_tokens, states[idx])
-            heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+            keys, values = read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
+            layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
+                                          states[idx])
+            heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
                 write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
             new_positions.append(slot_positions[idx].gather(-1, order))
@@ -399,6 +397,60 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
           f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")
     entries.positions, entries.seen, entries.states, entries.hole = new_positions, end, new_states, hole
     return end - kept_counts.pop()
+
+
+def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_positions: torch.Tensor, state: Any, forward: tuple):
+    """`compact` for a positions-only method whose layers hold the same positions `(h, stored)`: one decision on
+    stand-in keys, the same moves in every layer (or a hole: `compact`). Returns the kept count, the new positions
+    `(h, slots)`, the method's state and the hole (or None)."""
+    cache = TrimCache(method, in_place_decode=False)
+    layer, kept, n_keep = _decide(cache, 0, None, None, slot_positions[None], *forward, state)
+    kept, stored = kept[0], slot_positions.shape[-1]
+    lost = (~kept).nonzero()  # (evicted, 2): (head, slot), head-major
+    if _leaves_hole(forward[2]) and n_keep == stored - 1 and bool((lost[:, 1] == lost[0, 1]).all()):
+        # one entry left, from the same slot in every KV head (and layer): nothing moves, the next token is
+        # written there (the worker's `fill_hole`)
+        return n_keep, slot_positions, layer.state, int(lost[0, 1])
+    heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
+    if heads.numel():
+        block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
+        source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+        for kv in kv_caches:
+            move_entries(kv, heads, source, target)
+    return n_keep, slot_positions.gather(-1, order), layer.state, None
+
+
+#: layers a `layers_alike` method decides as one batch (`compact`): one run of the method per group instead of
+#: per layer, while the group's temporaries stay small enough for the allocator to reuse their memory (one
+#: batch of all 30 layers of SmolLM2 at 640 entries took longer than one run per layer: page faults)
+LAYER_GROUP = 10
+
+
+def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any, forward: tuple):
+    """`compact` for a `layers_alike` method on some of a request's layers: their stored entries read, then decided
+    as one batch (one run of the method instead of one per layer), then each layer's moves written. Returns the kept count, the new
+    positions per layer `(h, slots)` and the method's state."""
+    n_layers, (h, stored) = len(kv_caches), slot_positions[0].shape
+    reads = [read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
+    keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
+    positions = torch.stack(slot_positions)  # (layers, h, stored)
+    cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
+    layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state)
+    rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
+    if rows.numel():
+        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
+        for idx, (kv, r, f, t) in enumerate(zip(kv_caches, rows.split(per_layer), from_slots.split(per_layer),
+                                                to_slots.split(per_layer))):
+            if r.numel():
+                heads = r - idx * h
+                write_entries(kv, block_ids, heads, t, keys[idx, heads, f], values[idx, heads, f])
+    new_positions = positions.view(n_layers * h, stored).gather(-1, order).view(n_layers, h, n_keep)
+    return n_keep, list(new_positions.unbind(0)), layer.state
+
+
+def _same(states: list[Any]) -> bool:
+    """True when every layer's method state is the same (equal, or all None)."""
+    return all(not _changed(states[0], s) for s in states[1:])
 
 
 def _extended(positions: list[torch.Tensor] | None, new: torch.Tensor, n_layers: int) -> list[torch.Tensor]:

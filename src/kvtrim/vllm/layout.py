@@ -42,11 +42,14 @@ def slot_places(block_ids: torch.Tensor, slots: torch.Tensor, block_size: int) -
 
 def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are
-    `block_ids` `(num_request_blocks,)` int64 (copies)."""
-    keys, values = _halves(kv_cache)
-    blk, off = slot_places(block_ids, torch.arange(n), kv_cache.shape[2])
-    # advanced indices on dims 0 and 3 (keys) / 0 and 2 (values) -> (n, h, d)
-    return keys[blk, :, :, off].transpose(0, 1).contiguous(), values[blk, :, off].transpose(0, 1).contiguous()
+    `block_ids` `(num_request_blocks,)` int64 (copies; views of a copy when `n` ends inside a block)."""
+    nb, h, bs, two_d = kv_cache.shape
+    used = -(-n // bs)
+    # the request's whole blocks (one contiguous copy), then each half laid out token-major per head
+    slabs = kv_cache.index_select(0, block_ids[:used]).view(used, h, 2, bs * (two_d // 2))
+    keys = slabs[:, :, 0].view(used, h, -1, bs).permute(1, 0, 3, 2).reshape(h, used * bs, -1)
+    values = slabs[:, :, 1].view(used, h, bs, -1).transpose(0, 1).reshape(h, used * bs, -1)
+    return keys[:, :n], values[:, :n]
 
 
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,
