@@ -27,7 +27,9 @@ CONTRACT_BREAKER = os.path.join(os.path.dirname(__file__), "data", "contract_bre
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(method="full", env_extra={"PYTHONPATH": CONTRACT_BREAKER})
+    # the caller's PYTHONPATH stays after it (PYTHONPATH=src: the server runs the kvtrim under test)
+    path = os.pathsep.join(filter(None, [CONTRACT_BREAKER, os.environ.get("PYTHONPATH")]))
+    s = Server(method="full", env_extra={"PYTHONPATH": path})
     yield s
     s.stop()
 
@@ -67,6 +69,12 @@ def test_full_is_plain_vllm(server, plain, prompts):
     assert complete(server.url, texts) == expected  # the server's default: full
     assert complete(server.url, texts, {"kvtrim": "full"}) == expected
     assert " entries after its prompt (" not in server.tail(400)  # full compacts nothing
+
+
+def test_the_attention_hand_off_is_in_every_layer(server):
+    """`python -m vllm.entrypoints.openai.api_server` with kvtrim's flags (what `kvtrim serve` starts) builds
+    kvtrim's CPU attention backend in every layer of SmolLM2 (30): the worker registers it when vLLM imports it."""
+    assert "kvtrim: attention hand-off on 30 layers" in server.tail(100000)
 
 
 @pytest.mark.parametrize("spec", ["nope", "h2o:budget=64", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5",

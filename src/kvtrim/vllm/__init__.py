@@ -8,6 +8,8 @@ Pieces (each through one of vLLM's extension points; vLLM's files are never edit
   as `model.generate`), and the compaction of its blocks.
 * `kvtrim.vllm.worker`: `--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (a model runner subclass that
   compacts after the forward and keeps true positions for later tokens).
+* `kvtrim.vllm.attention`: vLLM's CPU attention backend subclassed (registered through `register_backend`),
+  which copies the post-RoPE queries the worker asks for (a prompt's last window).
 * `kvtrim.vllm.validate`: `--logits-processors kvtrim.vllm.validate:MethodSpecCheck`, whose
   `validate_params` refuses a bad per-request spec before the request is admitted (HTTP 400).
 * `kvtrim.vllm.cli`: `kvtrim serve`, which starts `python -m vllm.entrypoints.openai.api_server` with those.

@@ -20,6 +20,12 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   never stops the engine: the error is logged and handed to the scheduler with the step's output
   (`FAILED_ATTR` on the `ModelRunnerOutput`), which ends that request with an error
   (`TrimScheduler.update_from_output`) while every other request goes on;
+* the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported): after
+  `load_model` one `QueryTap` is attached to every attention layer and `kvtrim_attention` says whether
+  every layer's impl is kvtrim's (else methods that need queries are refused in one line); each forward
+  (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
+  a request's prompt, across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once
+  the prompt's forward has run. Requests that ask for nothing leave the tap idle (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
   (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
   scheduler's planning of every step included).
@@ -46,6 +52,10 @@ from kvtrim.vllm.worker_check import check_vllm_version
 
 
 check_vllm_version()
+
+from kvtrim.vllm import attention  # noqa: E402
+
+attention.register()  # the worker process imports this module before it builds the model
 
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput  # noqa: E402
@@ -78,6 +88,40 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_steps = 0
         self.kvtrim_step_s = 0.0
         self.kvtrim_compaction_s = 0.0
+        #: the query rows each forward copies for the requests that ask (`kvtrim.vllm.attention`)
+        self.kvtrim_tap = attention.QueryTap()
+        #: whether every attention layer hands its queries over (set by `load_model`)
+        self.kvtrim_attention = False
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        missing = attention.attach(layers, self.kvtrim_tap)
+        self.kvtrim_attention = bool(layers) and not missing
+        if self.kvtrim_attention:
+            logger.info("kvtrim: attention hand-off on %d layers", len(layers))
+        else:
+            logger.warning("kvtrim: no attention hand-off (%s): methods that need queries or attention are refused",
+                           f"layer {missing[0]} has {type(layers[missing[0]].impl).__name__}" if missing
+                           else "no attention layers")
+
+    def kvtrim_query_window(self, req_id: str) -> int:
+        """How many of request `req_id`'s last prompt positions its queries are copied for (0: none): what its
+        method's `on_prompt_end` reads (`prompt_queries()`), for methods that need queries. 0 without the
+        hand-off (`kvtrim_attention` False): a step never fails for it; whatever reads the queries finds none
+        (`kvtrim_prompt_queries` is None) and fails that request only."""
+        method = self.kvtrim_method(req_id)
+        if method is None or not method.needs_queries or not self.kvtrim_attention:
+            return 0
+        return method.prompt_queries()
+
+    def kvtrim_prompt_queries(self, req_id: str) -> list[torch.Tensor] | None:
+        """Request `req_id`'s last `kvtrim_query_window` prompt queries, per layer `(q_heads, W, head_dim)`
+        post-RoPE in the model's dtype, once the forward that completes its prompt has run; else None."""
+        return self.kvtrim_tap.window(req_id)
 
     def kvtrim_method(self, req_id: str):
         params = self.requests[req_id].sampling_params
@@ -102,12 +146,16 @@ class TrimModelRunner(CPUModelRunner):
         discarded = np.zeros(num_reqs, dtype=np.int64)
         self._kvtrim_due = []
         plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
+        self.kvtrim_tap.rows = {}
         self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
             discarded[i] = self.kvtrim_discarded.get(req_id, 0)
+            prompt = self.requests[req_id].num_prompt_tokens
+            if computed[i] < prompt and num_scheduled_tokens[i]:  # a prompt forward: does it copy queries?
+                self._kvtrim_plan_queries(req_id, i, int(computed[i]), int(num_scheduled_tokens[i]), prompt)
             entries = self.kvtrim_entries.get(req_id)
             if entries is not None and entries.hole is not None and num_scheduled_tokens[i]:
                 holes.append((i, entries.fill_hole(int(computed[i]))))
@@ -127,9 +175,22 @@ class TrimModelRunner(CPUModelRunner):
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
         return out
 
+    def _kvtrim_plan_queries(self, req_id: str, row: int, computed: int, scheduled: int, prompt: int) -> None:
+        """Plan the copy of the query rows of request `req_id` (the batch's `row`-th) that fall in its prompt's
+        last window, in this forward over positions `[computed, computed + scheduled)`."""
+        window = min(self.kvtrim_query_window(req_id), prompt)
+        rows = attention.window_rows(computed, scheduled, prompt, window) if window else None
+        if rows is not None:
+            first = int(self.query_start_loc.np[row]) - computed  # the query row of position 0
+            lo, hi = rows
+            self.kvtrim_tap.plan(req_id, first + lo, first + hi, lo - (prompt - window), window)
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         start = time.perf_counter()
-        out = super().execute_model(scheduler_output, intermediate_tensors)
+        try:
+            out = super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self.kvtrim_tap.rows = {}  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
@@ -167,6 +228,7 @@ class TrimModelRunner(CPUModelRunner):
     def _kvtrim_forget(self, req_id: str) -> None:
         self.kvtrim_discarded.pop(req_id, None)
         self.kvtrim_entries.pop(req_id, None)
+        self.kvtrim_tap.forget(req_id)
 
     def _compact(self, req_id: str, plan, end: int) -> None:
         """Compact request `req_id` as the scheduler's `plan` (a `Due`) says, after a forward that brought it
@@ -219,8 +281,10 @@ class TrimModelRunner(CPUModelRunner):
 
 
 class TrimCPUWorker(CPUWorker):
-    """vLLM's CPU worker whose model runner is `TrimModelRunner` and whose KV-cache spec reports the server
-    method's peak (`kvtrim.vllm.kv_spec`)."""
+    """vLLM's CPU worker whose model runner is `TrimModelRunner` (`runner_cls`) and whose KV-cache spec reports
+    the server method's peak (`kvtrim.vllm.kv_spec`)."""
+
+    runner_cls = TrimModelRunner
 
     def get_kv_cache_spec(self):
         return {name: trim_spec(spec) for name, spec in super().get_kv_cache_spec().items()}
@@ -229,4 +293,4 @@ class TrimCPUWorker(CPUWorker):
         super().init_device()
         if self.use_v2_model_runner:
             raise KvtrimError("kvtrim's vLLM worker extends the V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER")
-        self.model_runner = TrimModelRunner(self.vllm_config, torch.device("cpu"))
+        self.model_runner = self.runner_cls(self.vllm_config, torch.device("cpu"))

@@ -1,0 +1,67 @@
+"""Test only: kvtrim's worker whose runner copies the prompt-window queries a request asks for in its
+`SamplingParams.extra_args` (`{"probe": NAME, "probe_window": W}`), instead of only those its method needs
+(no method the engine runs needs queries yet). Put this folder on PYTHONPATH and pass
+`worker_cls="kvtrim_attention_probe.ProbeWorker"` (tests/test_vllm_attention.py); `probe_report(path)`
+(through `collective_rpc`) saves with `torch.save` what the tests check:
+
+* `impls`: attention layer name -> its impl's class name; `attention`: the runner's `kvtrim_attention`;
+* `windows`: NAME -> the request's captured window `(layers, q_heads, W, head_dim)` (kept after it ends);
+* `plans`: NAME -> the `(row_start, row_end, at)` planned in each forward that copied rows of it;
+* `steps`: forwards run, and per NAME the forwards it was in; `copies`: the tap's copies so far.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtrim.vllm.worker import TrimCPUWorker, TrimModelRunner
+
+
+class ProbeRunner(TrimModelRunner):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probe_windows: dict[str, torch.Tensor] = {}
+        self.probe_plans: dict[str, list] = {}
+        self.probe_in_steps: dict[str, int] = {}
+        self.probe_steps = 0
+
+    def _probe_args(self, req_id: str) -> dict:
+        params = self.requests[req_id].sampling_params
+        return (params.extra_args or {}) if params is not None else {}
+
+    def kvtrim_query_window(self, req_id: str) -> int:
+        return int(self._probe_args(req_id).get("probe_window", 0))
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self.probe_steps += 1
+        for req_id in self.input_batch.req_ids[:self.input_batch.num_reqs]:
+            name = self._probe_args(req_id).get("probe", req_id)
+            self.probe_in_steps[name] = self.probe_in_steps.get(name, 0) + 1
+            if req_id in self.kvtrim_tap.rows:
+                self.probe_plans.setdefault(name, []).append(self.kvtrim_tap.rows[req_id])
+        return out
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        out = super().execute_model(scheduler_output, intermediate_tensors)
+        for req_id in list(self.kvtrim_tap.windows):
+            name = self._probe_args(req_id).get("probe", req_id)
+            window = self.kvtrim_prompt_queries(req_id)
+            if window is not None and name not in self.probe_windows:
+                self.probe_windows[name] = torch.stack(window).clone()
+        return out
+
+
+class ProbeWorker(TrimCPUWorker):
+    runner_cls = ProbeRunner
+
+    def probe_report(self, path: str) -> None:
+        runner = self.model_runner
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+        torch.save({"impls": {name: type(layer.impl).__name__ for name, layer in layers.items()},
+                    "attention": runner.kvtrim_attention, "windows": runner.probe_windows,
+                    "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
+                    "copies": runner.kvtrim_tap.copies}, path)

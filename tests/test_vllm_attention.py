@@ -1,0 +1,157 @@
+"""The attention hand-off inside vLLM (`kvtrim.vllm.attention`): kvtrim's CPU attention backend is every
+layer's impl in an engine started with kvtrim's worker, and the post-RoPE queries it copies for a prompt's
+last window, across vLLM's prefill chunks, are those transformers computes for the prompt in one forward.
+
+Run from .venv-serve (skipped without vLLM). One offline `vllm.LLM` (SmolLM2-135M, float32, eager, a token
+budget of 32 per step so that prompts are cut in chunks) with kvtrim's worker, its scheduler and flags; its
+runner is kvtrim's with one change (tests/data/attention_probe): a request asks for its window in its
+`extra_args`, as no method the engine runs needs queries yet."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
+
+from kvtrim.models import resolve_model_dir  # noqa: E402
+from kvtrim.vllm.attention import window_rows  # noqa: E402
+
+pytestmark = pytest.mark.integration
+PROBE = os.path.join(os.path.dirname(__file__), "data", "attention_probe")
+MODEL = "smollm2-135m"
+BUDGET = 32  # max_num_batched_tokens: every prompt below takes several forwards
+
+#: name -> (prompt, window asked for: 0 none); the window of "short" is longer than its prompt
+REQUESTS = {
+    "long": ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+             "movable metal type, oil-based inks and a wooden press adapted from wine making. Within fifty years "
+             "presses were running in more than two hundred cities across Europe, and the price of books fell "
+             "so quickly that", 40),
+    "short": ("def fibonacci(n):\n    if n < 2:\n        return n\n    return", 64),
+    "idle": ("Rivers carry sediment from the mountains to the sea, building deltas where the current slows and "
+             "the water spreads across the plain, and", 0),
+}
+
+
+def test_window_rows_are_the_forwards_positions_in_the_window():
+    for prompt in (1, 7, 40):
+        for window in (1, 5, 40, 64):
+            for computed in range(prompt):
+                for scheduled in (1, 4, 50):
+                    wanted = [p for p in range(computed, computed + scheduled) if prompt - window <= p < prompt]
+                    got = window_rows(computed, scheduled, prompt, window)
+                    assert list(range(*got)) == wanted if wanted else got is None, (computed, scheduled, prompt, window)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    from kvtrim.vllm.cli import child_env
+
+    saved = dict(os.environ)
+    # the engine's processes are spawned: they take this environment (and sys.path) with them
+    os.environ.update(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                      PYTHONPATH=os.pathsep.join([PROBE, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    sys.path.insert(0, PROBE)
+    model_dir = str(resolve_model_dir(MODEL))
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
+              worker_cls="kvtrim_attention_probe.ProbeWorker", scheduler_cls="kvtrim.vllm.scheduler.TrimScheduler",
+              additional_config={"kvtrim_method": "full"})
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        yield llm, tok
+    finally:
+        del llm
+        os.environ.clear()
+        os.environ.update(saved)
+        sys.path.remove(PROBE)
+
+
+def generate(llm, tok, names, ask=True):
+    """Greedy token ids of the named requests (sent together), each asking for its window when `ask`."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": tok(REQUESTS[n][0]).input_ids} for n in names]
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                             extra_args={"probe": n, "probe_window": REQUESTS[n][1] if ask else 0}) for n in names]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def report(llm, tmp_path):
+    path = str(tmp_path / "report.pt")
+    llm.collective_rpc("probe_report", args=(path,))
+    return torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def hf_queries():
+    """name -> per layer, the post-RoPE queries `(q_heads, T, head_dim)` of the whole prompt in one forward
+    of transformers' model (float32): its own norm, `q_proj` and rotary embedding on the layer's input."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model_dir = str(resolve_model_dir(MODEL))
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, (prompt, _) in REQUESTS.items():
+            ids = torch.tensor([tok(prompt).input_ids])
+            hidden = model(ids, output_hidden_states=True).hidden_states  # hidden[l]: layer l's input
+            cos, sin = model.model.rotary_emb(hidden[0], torch.arange(ids.shape[1])[None])
+            per_layer = []
+            for layer, x in zip(model.model.layers, hidden):
+                attn = layer.self_attn
+                q = attn.q_proj(layer.input_layernorm(x)).view(1, ids.shape[1], -1, attn.head_dim).transpose(1, 2)
+                per_layer.append(apply_rotary_pos_emb(q, q, cos, sin)[0][0])
+            out[name] = per_layer
+    return out
+
+
+def test_every_layer_hands_over_its_queries(engine, tmp_path):
+    llm, _ = engine
+    r = report(llm, tmp_path)
+    assert len(r["impls"]) == 30 and set(r["impls"].values()) == {"TrimCPUAttentionImpl"}, r["impls"]
+    assert r["attention"] is True
+
+
+def test_prompt_window_across_chunks_is_the_one_forward_queries(engine, hf_queries, tmp_path):
+    """"long" and "short" ask for their windows, "idle" for nothing, all sent together: the windows come in
+    several forwards (BUDGET tokens a step, shared by the three), and equal transformers' queries of the
+    prompt's last W positions in every layer; nothing of "idle" is copied."""
+    llm, tok = engine
+    before = report(llm, tmp_path)
+    generate(llm, tok, list(REQUESTS))
+    r = report(llm, tmp_path)
+    assert "idle" not in r["windows"] and "idle" not in r["plans"]
+    for name in ("long", "short"):
+        got = r["windows"][name]
+        prompt_len = len(tok(REQUESTS[name][0]).input_ids)
+        w = min(REQUESTS[name][1], prompt_len)
+        assert len(r["plans"][name]) >= 2, r["plans"][name]  # the window came in more than one forward
+        assert sum(b - a for a, b, _ in r["plans"][name]) == w
+        assert got.shape == (30, 9, w, 64) and got.dtype == torch.float32
+        ref = torch.stack([q[:, prompt_len - w:] for q in hf_queries[name]])
+        for layer in range(30):
+            err = (got[layer] - ref[layer]).abs().max().item()
+            assert err <= 1e-4, (name, layer, err)  # measured <= 2e-5 (queries up to ~16 in magnitude)
+    # one copy per layer for each (request, forward) that carried window rows
+    planned = sum(len(r["plans"][n]) for n in ("long", "short"))
+    assert r["copies"] - before["copies"] == 30 * planned
+
+
+def test_a_request_that_asks_for_nothing_leaves_the_tap_idle(engine, tmp_path):
+    """Alone, "idle" runs its prompt in several forwards and copies nothing; "long" asking or not for its
+    window generates the same tokens (the copy does not touch the forward)."""
+    llm, tok = engine
+    before = report(llm, tmp_path)
+    generate(llm, tok, ["idle"])
+    after = report(llm, tmp_path)
+    assert after["in_steps"]["idle"] - before["in_steps"].get("idle", 0) >= 3  # its prompt's forwards and decode steps
+    assert after["copies"] == before["copies"] and "idle" not in after["plans"] and "idle" not in after["windows"]
+    assert generate(llm, tok, ["long"], ask=False) == generate(llm, tok, ["long"])
