@@ -45,10 +45,31 @@ def test_counting_by_schedule_is_the_stand_in(spec, prompt, total, chunk):
     assert again.discarded == again_stand_in.discarded
 
 
-@pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:compression_ratio=0.5:lag_size=8",
-                                  "snapkv:budget=40", "h2o:budget=40"])
+@pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:keep_ratio=0.125:lag_size=8:sink_size=2",
+                                  "lagkv:keep_ratio=0.75:lag_size=8", "lagkv:keep_ratio=0.5:lag_size=2:sink_size=0"])
+@pytest.mark.parametrize("prompt,total,chunk", [(100, 260, 1000), (100, 260, 32), (30, 120, 7), (8, 60, 8)])
+def test_counting_by_length_is_the_stand_in(spec, prompt, total, chunk):
+    """LagKV's reference mode is counted by `stored_after`: the same due forwards and counts as the method run
+    on stand-in keys (whose own cuts the method decides), forward by forward and for a recomputed request."""
+    method = parse_method_spec(spec).build()
+    counted, stand_in = StoredCounts(method), StoredCounts(method)
+    assert counted.by_length and not counted.by_count
+    stand_in.by_length = False
+    for start, end in forwards(prompt, total, chunk):
+        steps = forward_steps(start, end, prompt)
+        assert counted.advance(steps) == stand_in.advance(steps), (start, end)
+        assert counted.discarded == stand_in.discarded and counted.held == stand_in.held, (start, end)
+    again, again_stand_in = StoredCounts(method), StoredCounts(method)
+    again_stand_in.by_length = False
+    steps = forward_steps(0, total - 10, prompt)
+    assert again.advance(steps) == again_stand_in.advance(steps) and again.discarded == again_stand_in.discarded
+
+
+@pytest.mark.parametrize("spec", ["lagkv:compression_ratio=0.5:lag_size=8", "snapkv:budget=40", "h2o:budget=40",
+                                  "lagkv:lag_size=16:skip_layers=1", "lagkv:keep_ratio=1:lag_size=8"])
 def test_methods_with_their_own_rules_run_on_stand_in_keys(spec):
-    assert not StoredCounts(parse_method_spec(spec).build()).by_count
+    counts = StoredCounts(parse_method_spec(spec).build())
+    assert not counts.by_count and not counts.by_length
 
 
 def test_plan_forward_starts_a_request_afresh():

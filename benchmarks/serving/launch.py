@@ -26,13 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
+def server_env(plain: bool = False) -> dict[str, str]:
     """The caller's environment plus the checkout's `src` first on PYTHONPATH (the server runs this
-    checkout's kvtrim), OpenMP preloaded and HF_HUB_OFFLINE=1 (`kvtrim.vllm.cli.child_env`)."""
+    checkout's kvtrim), OpenMP preloaded and HF_HUB_OFFLINE=1 (`kvtrim.vllm.cli.child_env`); for plain vLLM
+    (`plain`) no general plugin either: kvtrim's entry point would install its attention backend there."""
     from kvtrim.vllm.cli import child_env
 
     env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(SRC), env.get("PYTHONPATH", "")) if x)
+    if plain:
+        env["VLLM_PLUGINS"] = ""  # vLLM as shipped: none of the installed general plugins
     return env
 
 
@@ -59,8 +62,8 @@ class Server:
         self._log = open(log_path, "w")
         self.cmd = server_command(model, method, self.port, flags)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=server_env(plain=method is None), start_new_session=True)
         try:
             self._wait_healthy(t0 + timeout)
         except BaseException:

@@ -349,6 +349,13 @@ class EvictionMethod:
         """False for layers this method leaves uncompressed (LagKV's `skip_layers`); wrappers ask it."""
         return True
 
+    def stored_after(self, tokens: int) -> int | None:
+        """How many entries one layer stores after `tokens` tokens, when that follows from the count alone
+        (however the tokens were split into forwards, the prompt's included) and the method's state changes
+        only where its count drops; None when it does not (kvtrim's vLLM scheduler then counts by the
+        method's `target`, or runs it on stand-in keys)."""
+        return None
+
     def layers_alike(self) -> bool:
         """True when the method decides every layer by one rule from that layer's own keys, values and
         positions (each batch row and KV head apart), with a per-layer state that follows token counts only

@@ -276,6 +276,13 @@ class LagKV(ScoringMethod):
     def layers_alike(self):  # the compressed count in its state follows the token count
         return not self.skip_layers
 
+    def stored_after(self, tokens):
+        # reference mode: the same cut whatever the forwards' split (the grid is anchored after the sinks);
+        # with keep_ratio=1 its state moves on while nothing leaves (it keeps everything: stand-in keys)
+        if self.mode != "reference" or self.skip_layers or math.floor(self.keep_ratio * self.lag_size) >= self.lag_size:
+            return None
+        return lagkv_stored_length(tokens, self.sink_size, self.lag_size, self.keep_ratio)
+
     @property
     def mode(self) -> str:
         return "reference" if self.keep_ratio is not None else "global"

@@ -140,11 +140,14 @@ class _Counts:
 class StoredCounts:
     """How many entries a request stores under `method`, from its token counts alone (module docstring).
     A method whose counts follow its schedule (`ScoringMethod.counts_by_schedule`: KeyDiff, StreamingLLM,
-    KNorm) is counted without keys (its `target` on the counts); any other runs on the stand-in keys."""
+    KNorm) is counted without keys (its `target` on the counts), one whose count is a function of the tokens
+    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys."""
 
     def __init__(self, method: EvictionMethod):
         self.method = method
         self.by_count = isinstance(method, ScoringMethod) and method.counts_by_schedule()
+        #: counted by `stored_after` (LagKV's reference mode): the count is a function of the tokens seen
+        self.by_length = not self.by_count and method.stored_after(0) is not None
         self.seen = self.stored = 0
         self.prompt_tokens: int | None = None
         self.cache = TrimCache(method, in_place_decode=False)
@@ -157,7 +160,7 @@ class StoredCounts:
     @property
     def discarded(self) -> int:
         """Entries discarded so far (tokens seen minus entries stored)."""
-        if self.by_count:
+        if self.by_count or self.by_length:
             return self.seen - self.stored
         layer = self._layer
         return 0 if layer is None else layer.seen - layer.stored
@@ -165,7 +168,7 @@ class StoredCounts:
     @property
     def held(self) -> int:
         """Entries stored now (of the tokens told so far)."""
-        if self.by_count:
+        if self.by_count or self.by_length:
             return self.stored
         layer = self._layer
         return 0 if layer is None else layer.stored
@@ -173,7 +176,14 @@ class StoredCounts:
     def advance(self, steps: list[Step]) -> bool:
         """Tell the counts a forward's `steps`; True when the forward is due (it evicts, or changes the
         method's state): the worker must run the method on it."""
+        if self.by_length:
+            return self._by_length(steps)
         return self._count(steps) if self.by_count else self._stand_in(steps)
+
+    def _by_length(self, steps: list[Step]) -> bool:
+        self.seen += sum(q for _, _, q in steps)
+        stored, self.stored = self.stored + sum(q for _, _, q in steps), self.method.stored_after(self.seen)
+        return self.stored < stored
 
     def _count(self, steps: list[Step]) -> bool:
         due = False

