@@ -5,7 +5,7 @@ last window, across vLLM's prefill chunks, are those transformers computes for t
 Run from .venv-serve (skipped without vLLM). One offline `vllm.LLM` (SmolLM2-135M, float32, eager, a token
 budget of 32 per step so that prompts are cut in chunks) with kvtrim's worker, its scheduler and flags; its
 runner is kvtrim's with one change (tests/data/attention_probe): a request asks for its window in its
-`extra_args`, as no method the engine runs needs queries yet."""
+`extra_args` (`probe_window`), and reports what SnapKV requests keep after their prompt's compaction."""
 
 import os
 import sys
@@ -155,3 +155,86 @@ def test_a_request_that_asks_for_nothing_leaves_the_tap_idle(engine, tmp_path):
     assert after["in_steps"]["idle"] - before["in_steps"].get("idle", 0) >= 3  # its prompt's forwards and decode steps
     assert after["copies"] == before["copies"] and "idle" not in after["plans"] and "idle" not in after["windows"]
     assert generate(llm, tok, ["long"], ask=False) == generate(llm, tok, ["long"])
+
+
+#: SnapKV in the engine: a window shorter than what it keeps, so that its scores choose (max and avg pooling)
+SNAPKV = ["snapkv:compression_ratio=0.5:window=8", "snapkv:compression_ratio=0.6:window=12:kernel=3:pooling=avg"]
+SNAP_TOKENS = 8
+
+
+def generate_snapkv(llm, tok, items):
+    """Greedy outputs of `items` (name, prompt, spec, probe window or None: the method's) sent together."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": tok(REQUESTS[p][0]).input_ids} for _, p, _, _ in items]
+    params = [SamplingParams(max_tokens=SNAP_TOKENS, temperature=0, ignore_eos=True,
+                             extra_args={"probe": n, "kvtrim": spec} | ({} if w is None else {"probe_window": w}))
+              for n, _, spec, w in items]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def hf_snapkv():
+    """(prompt, spec) -> transformers' SnapKV on the prompt (kvtrim's attention, float32, the prompt in one
+    forward): the positions kept after the prompt's end per layer and KV head `(layers, kv_heads, n_keep)`, and
+    the greedy tokens."""
+    from kvtrim import TrimCache, load_model
+    from kvtrim.methods.base import kept_count
+    from kvtrim.specs import parse_method_spec
+
+    model, tok = load_model(MODEL, dtype="float32")  # kvtrim's attention
+    out = {}
+    with torch.no_grad():
+        for prompt in ("long", "idle"):
+            ids = torch.tensor([tok(REQUESTS[prompt][0]).input_ids])
+            for spec in SNAPKV:
+                method = parse_method_spec(spec).build()
+                # `kvtrim.generate`'s cache, greedy by hand (this transformers' generate takes no `cache=`)
+                cache = TrimCache(method, config=model.config, prompt_length=ids.shape[-1])
+                logits, new = model(ids, past_key_values=cache, use_cache=True).logits, []
+                for _ in range(SNAP_TOKENS):
+                    new.append(int(logits[0, -1].argmax()))
+                    logits = model(torch.tensor([new[-1:]]), past_key_values=cache, use_cache=True).logits
+                n_keep = kept_count(ids.shape[-1], method.compression_ratio)
+                kept = torch.stack([layer.kept_positions()[0].sort(dim=-1).values[:, :n_keep]
+                                    for layer in cache.layers])
+                assert kept.shape[-1] == n_keep < ids.shape[-1] and int(kept.max()) < ids.shape[-1]
+                out[prompt, spec] = kept, new
+    return out
+
+
+def test_snapkv_keeps_what_transformers_keeps(engine, hf_snapkv, tmp_path):
+    """SnapKV `compression_ratio=` in the engine: the prompt's last `window` queries, captured across vLLM's
+    chunks (BUDGET tokens a step: "long" alone in 3 forwards, then with others in different cuts), reach the
+    method at the prompt's end; the positions its blocks keep, per layer and KV head, are those `TrimCache`
+    keeps in transformers on the one-shot prompt, and the greedy tokens are transformers'."""
+    llm, tok = engine
+    a, b = SNAPKV
+    runs = [[("alone", "long", a, None)],
+            [("with-long", "long", a, None), ("with-idle", "idle", b, None), ("with-full", "short", "full", None)],
+            [("idle-a", "idle", a, None), ("long-b", "long", b, None)]]
+    for items in runs:
+        outputs = generate_snapkv(llm, tok, items)
+        r = report(llm, tmp_path)
+        for (name, prompt, spec, _), output in zip(items, outputs):
+            assert len(output.token_ids) == SNAP_TOKENS and name not in r["failed"]
+            if spec == "full":
+                continue
+            kept, tokens = hf_snapkv[prompt, spec]
+            assert r["kept"][name].shape == kept.shape == (30, 3, kept.shape[-1]), name
+            differ = (r["kept"][name] != kept).any(dim=-1)
+            assert not differ.any(), (name, differ.nonzero().tolist())
+            assert list(output.token_ids) == tokens, name
+            assert name not in r["windows"]  # the window went with the compaction
+    assert len(r["plans"]["with-long"]) >= 1 and len(r["plans"]["alone"]) >= 1
+
+
+def test_snapkv_without_its_queries_fails_alone(engine, tmp_path):
+    """A SnapKV request whose queries are not captured (what a runner without the hand-off does: its window is
+    0) ends with an error at its prompt's end, in one line; the request sent with it answers in full."""
+    llm, tok = engine
+    outputs = generate_snapkv(llm, tok, [("no-queries", "long", SNAPKV[0], 0), ("beside", "idle", SNAPKV[1], None)])
+    r = report(llm, tmp_path)
+    assert "needs the prompt's queries" in r["failed"]["no-queries"] and "\n" not in r["failed"]["no-queries"]
+    assert outputs[0].finish_reason != "length" and len(outputs[0].token_ids) < SNAP_TOKENS
+    assert len(outputs[1].token_ids) == SNAP_TOKENS and "beside" not in r["failed"] and "beside" in r["kept"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtrim.cache import TrimCache
-from kvtrim.methods.base import KvtrimError, Phase
+from kvtrim.methods.base import KvtrimError, Phase, kept_count
 from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import (StoredCounts, block_end, forward_steps, longest_peak, plan_forward, prompt_block,
                                  prompt_peak)
@@ -66,6 +66,7 @@ def test_counting_by_length_is_the_stand_in(spec, prompt, total, chunk):
 
 
 @pytest.mark.parametrize("spec", ["lagkv:compression_ratio=0.5:lag_size=8", "snapkv:budget=40", "h2o:budget=40",
+                                  "snapkv:compression_ratio=0.5",
                                   "lagkv:lag_size=16:skip_layers=1", "lagkv:keep_ratio=1:lag_size=8"])
 def test_methods_with_their_own_rules_run_on_stand_in_keys(spec):
     counts = StoredCounts(parse_method_spec(spec).build())
@@ -155,3 +156,46 @@ def test_longest_peak_is_the_worst_split_of_the_tokens(spec):
     assert longest_peak(method, 300) == worst < 300
     assert longest_peak(parse_method_spec("keydiff:compression_ratio=0.5").build(), 300) == 300
     assert longest_peak(None, 300) == 300
+
+
+@pytest.mark.parametrize("spec", ["snapkv:compression_ratio=0.5:window=8", "snapkv:compression_ratio=0.75",
+                                  "snapkv:compression_ratio=0.25:window=4:kernel=1"])
+@pytest.mark.parametrize("prompt,total,chunk", [(100, 160, 1000), (100, 160, 32), (30, 80, 7), (3, 20, 8)])
+def test_snapkv_counts_are_the_real_methods(spec, prompt, total, chunk):
+    """SnapKV `compression_ratio=` runs on stand-in keys and queries (one KV head, head_dim 8): forward by forward,
+    the same due forwards and counts as the method on keys and queries of a model's shape (3 KV heads, 9 query
+    heads, head_dim 16) fed as transformers feeds it (the prompt in one forward that ends it, its queries handed
+    over by kvtrim's attention, then one token a step), however vLLM chunks the prompt; a recomputed request
+    (prompt and generated tokens in one forward) too."""
+    method = parse_method_spec(spec).build()
+    gen = torch.Generator().manual_seed(1)
+
+    def real_forward(cache, phase, ends, n):
+        k, v = torch.randn(2, 1, 3, n, 16, generator=gen)
+        with cache.phase(phase, ends_prompt=ends):
+            cache.update(k, v, 0)
+        layer = cache.layers[0]
+        layer.after_attention(torch.randn(1, 9, n, 16, generator=gen), None, None)
+        return layer
+
+    counts, cache = StoredCounts(method), TrimCache(method)
+    assert not counts.by_count and not counts.by_length
+    evictions = 0
+    for start, end in forwards(prompt, total, chunk):
+        due = counts.advance(forward_steps(start, end, prompt))
+        if end < prompt:  # the prompt is told once, complete
+            assert not due
+            continue
+        prompt_end = start < prompt
+        layer = real_forward(cache, Phase.PREFILL if prompt_end else Phase.DECODE, prompt_end,
+                             prompt if prompt_end else end - start)
+        assert due == (layer.evictions != evictions), (start, end)
+        evictions = layer.evictions
+        assert counts.held == layer.stored and counts.discarded == layer.seen - layer.stored, (start, end)
+    n_keep = kept_count(prompt, method.compression_ratio)
+    assert evictions == (n_keep < prompt) and counts.held == min(n_keep, prompt) + total - prompt
+    again, cache = StoredCounts(method), TrimCache(method)
+    due = again.advance(forward_steps(0, total - 10, prompt))
+    real_forward(cache, Phase.PREFILL, True, prompt)
+    layer = real_forward(cache, Phase.APPEND, False, total - 10 - prompt)
+    assert due == (layer.evictions > 0) and again.held == layer.stored and again.discarded == layer.seen - layer.stored

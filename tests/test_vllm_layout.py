@@ -293,3 +293,38 @@ def test_prompt_block_compactions_keep_trimcache_positions(spec, chunk, dtype):
         reference.append(cache.layers[idx].kept_positions()[0])
     assert prompt_compactions >= 2 and gone == total - reference[0].shape[-1]
     assert_holds(caches, blocks, originals, reference, entries)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:compression_ratio=0.5:window=8", "snapkv:compression_ratio=0.75",
+                                  "snapkv:compression_ratio=0.6:window=16:kernel=3:pooling=avg"])
+@pytest.mark.parametrize("tail", [0, 3])
+def test_snapkv_compaction_gets_the_prompts_queries(spec, tail, dtype):
+    """SnapKV at the prompt's end: given each layer's last `W` queries (what the attention tap captures) and its
+    scale, the compaction keeps, per layer and KV head, what `TrimCache` keeps when kvtrim's attention hands it
+    the prompt forward's queries (all of them) after the same keys; a recomputed request's tokens after the
+    prompt are an append, which reads no queries."""
+    method = method_for_vllm(spec)
+    prompt, n_layers, q_heads, scale = 5 * BS + 7, 3, 3 * H, 0.125
+    stored = prompt + tail
+    blocks = torch.tensor([11, 1, 6, 3, 8, 0])
+    caches, originals = request_caches(blocks, stored, n_layers, dtype, seed=6)
+    torch.manual_seed(7)
+    queries = [torch.randn(q_heads, stored, D).to(dtype) for _ in range(n_layers)]
+    expected = []
+    for idx, ((k, v), q) in enumerate(zip(originals, queries)):
+        cache = TrimCache(method)
+        with cache.phase(Phase.PREFILL, ends_prompt=True):
+            cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
+        cache.layers[idx].after_attention(q[None, :, :prompt], None, scale)
+        if tail:
+            with cache.phase(Phase.APPEND):
+                cache.update(k[None, :, prompt:].clone(), v[None, :, prompt:].clone(), idx)
+            cache.layers[idx].after_attention(q[None, :, prompt:], None, scale)
+        expected.append(cache.layers[idx].kept_positions()[0])
+    window = method.prompt_queries()
+    entries = RequestEntries()
+    gone = compact(caches, blocks, method, entries, forward_steps(0, stored, prompt), stored, prompt,
+                   [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers)
+    assert gone == stored - expected[0].shape[-1] > 0
+    assert_holds(caches, blocks, originals, expected, entries)
+    assert any(not torch.equal(e, expected[0]) for e in expected[1:])  # each layer's own queries decided it

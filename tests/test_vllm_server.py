@@ -77,7 +77,7 @@ def test_the_attention_hand_off_is_in_every_layer(server):
     assert "kvtrim: attention hand-off on 30 layers" in server.tail(100000)
 
 
-@pytest.mark.parametrize("spec", ["nope", "h2o:budget=64", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5",
+@pytest.mark.parametrize("spec", ["nope", "h2o:budget=64", "keydiff:compression_ratio=2", "snapkv:budget=64",
                                   "lagkv:compression_ratio=0.5:skip_layers=0", ["lagkv"]])
 def test_bad_spec_is_400_and_the_server_goes_on(server, spec):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -2,13 +2,14 @@
 
 import pytest
 
-from kvtrim import KeyDiff, KNorm, KvtrimError, LagKV, StreamingLLM
+from kvtrim import KeyDiff, KNorm, KvtrimError, LagKV, SnapKV, StreamingLLM
 from kvtrim.vllm.spec import method_for_vllm
 
 
 @pytest.mark.parametrize("text, cls", [
     ("lagkv:compression_ratio=0.5", LagKV), ("keydiff:compression_ratio=0.75", KeyDiff),
     ("streaming:compression_ratio=0.5", StreamingLLM), ("knorm:compression_ratio=0.5", KNorm),
+    ("snapkv:compression_ratio=0.5", SnapKV), ("snapkv:compression_ratio=0.75:window=8:kernel=5", SnapKV),
 ])
 def test_ratio_modes_run(text, cls):
     method = method_for_vllm(text)
@@ -30,9 +31,13 @@ def test_full_evicts_nothing():
 
 @pytest.mark.parametrize("text, words", [
     ("nope", "unknown method 'nope'"),
-    ("snapkv:compression_ratio=0.5", "queries"),
-    ("h2o:budget=64", "queries or attention"),
-    ("kvzip:compression_ratio=0.5", "queries"),
+    ("snapkv:budget=64", "budget= evicts after every prompt block"),
+    ("h2o:budget=64", "attention probabilities"),
+    ("tova:compression_ratio=0.5", "attention probabilities"),
+    ("lazyeviction:budget=512", "attention probabilities"),
+    ("kvzip:compression_ratio=0.5", "scoring passes"),
+    ("adakv:method=snapkv:compression_ratio=0.5", "different number of entries per KV head"),
+    ("adakv:method=keydiff:compression_ratio=0.5", "different number of entries per KV head"),
     ("lagkv:compression_ratio=0.5:skip_layers=0", "skip_layers"),
     ("lagkv:compression_ratio=1.5", "compression_ratio"),
     ("keydiff:compression_ratio=0.5:bogus=1", "bogus"),

@@ -141,7 +141,8 @@ class StoredCounts:
     """How many entries a request stores under `method`, from its token counts alone (module docstring).
     A method whose counts follow its schedule (`ScoringMethod.counts_by_schedule`: KeyDiff, StreamingLLM,
     KNorm) is counted without keys (its `target` on the counts), one whose count is a function of the tokens
-    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys."""
+    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys (a method that
+    needs queries, SnapKV, gets stand-in queries at the prompt's end, as the worker hands it the real ones)."""
 
     def __init__(self, method: EvictionMethod):
         self.method = method
@@ -207,8 +208,15 @@ class StoredCounts:
             with self.cache.phase(phase, ends_prompt=ends):
                 self.cache.update(k, v, 0)
             layer = self._layer
+            if layer.awaiting_attention:  # a method that needs queries (SnapKV): stand-in queries, as the worker's
+                layer.after_attention(self._queries(q) if ends else None, None, None)
             due = due or layer.evictions != evictions or _changed(state, layer.state)
         return due
+
+    def _queries(self, q: int) -> torch.Tensor:
+        """Stand-in queries `(1, 1, W, 8)` of a prompt-ending step of `q` tokens: its last `prompt_queries()`
+        positions (what the worker hands over, `kvtrim_prompt_queries`)."""
+        return torch.randn(1, 1, min(q, self.method.prompt_queries() or q), 8, generator=self._gen)
 
 
 def plan_forward(all_counts: dict[str, StoredCounts], req_id: str, method: EvictionMethod, computed: int,
@@ -317,12 +325,18 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
-            slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any):
+            slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any,
+            queries: torch.Tensor | None = None, scale: float | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
     stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
     (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
     resumed from them in position order and fed the forward's `steps`. Returns the layer, what it keeps as a
-    slot mask `(b, h, stored)` and the kept count."""
+    slot mask `(b, h, stored)` and the kept count.
+
+    A method that waits for its attention (`needs_queries`: SnapKV) gets it after each step as kvtrim's
+    attention hands it over in transformers (`TrimLayer.after_attention`): `queries` `(b, q_heads, W,
+    head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt (None with any other
+    step), and the layer's softmax `scale`."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
@@ -344,6 +358,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     for phase, ends, q in steps:
         with cache.phase(phase, ends_prompt=ends):
             cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
+        if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
+            layer.after_attention(queries if ends else None, None, scale)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
@@ -353,7 +369,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
 
 
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
-            entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int) -> int:
+            entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
+            queries: list[torch.Tensor] | None = None, scales: list[float] | None = None) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -365,7 +382,11 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     request), and only the moved entries are read. When a decode step evicts one entry, from the same slot in
     every KV head (StreamingLLM over its budget), nothing moves: the slot is left as `entries.hole`, and the
     request's next token is written there (`RequestEntries.fill_hole`). A method whose layers are alike
-    (`layers_alike`: KeyDiff, KNorm, LagKV) decides `LAYER_GROUP` layers at a time, as one batch."""
+    (`layers_alike`: KeyDiff, KNorm, LagKV) decides `LAYER_GROUP` layers at a time, as one batch.
+
+    A method that needs queries (SnapKV) decides layer by layer, each layer's given with the forward that ends
+    the prompt: `queries` per layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what
+    the worker's attention tap captured) and the layers' softmax `scales` (`_decide`)."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
@@ -375,13 +396,14 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     states = entries.states or [None] * n_layers
     forward = old, told, steps, prompt_tokens  # what `_decide` needs of the forward besides the entries
     hole = None
-    if method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
+    per_layer = method.waits_for_attention  # each layer's own queries: never one decision for several layers
+    if not per_layer and method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
                                      for p in slot_positions[1:]):
         n_keep, positions, state, hole = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
                                                                  states[0], forward)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
-    elif method.layers_alike() and _same(states):
+    elif not per_layer and method.layers_alike() and _same(states):
         new_positions, new_states, kept_counts = [], [], set()
         for first in range(0, n_layers, LAYER_GROUP):  # groups of layers: small temporaries, reused memory
             group = slice(first, first + LAYER_GROUP)
@@ -396,7 +418,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         for idx, kv in enumerate(kv_caches):
             keys, values = read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
-                                          states[idx])
+                                          states[idx], None if queries is None else queries[idx][None],
+                                          None if scales is None else scales[idx])
             heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
                 write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])

@@ -11,8 +11,10 @@ number of entries that depends on token counts only:
   reference mode `keep_ratio=` every `lag_size` tokens, in decoding too), KeyDiff (`compression_ratio=` at
   the prompt's end; `budget=`: the prompt read in blocks of `block_size`, each evicting back to the budget,
   then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
-* not: methods that need queries or attention probabilities (SnapKV, H2O, TOVA, ...: they need an
-  attention backend that hands them over), scoring passes and cross-layer decisions (KVzip), head-wise
+* methods that read the prompt's last queries once, at its end (SnapKV `compression_ratio=`): kvtrim's
+  attention backend captures them (`kvtrim.vllm.attention`);
+* not: methods that need attention probabilities (H2O, TOVA, LazyEviction) or queries elsewhere (SnapKV
+  `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
 * `full` keeps everything.
@@ -27,7 +29,8 @@ import logging
 from functools import cache, lru_cache
 
 from kvtrim.methods import FullCache, load_entry_points
-from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
+from kvtrim.methods.adakv import AdaKV
+from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
 from kvtrim.specs import parse_method_spec
 
 
@@ -36,15 +39,30 @@ def refusal(method: EvictionMethod) -> str | None:
     name = type(method).__name__
     if isinstance(method, FullCache):
         return None
-    if method.waits_for_attention:
-        return f"{name} needs the queries or attention probabilities, which kvtrim's vLLM worker does not hand over yet"
+    if isinstance(method, AdaKV):
+        return (f"{name} keeps a different number of entries per KV head, which vLLM's block table (one per "
+                "request, shared by every head) cannot hold")
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
+    if method.needs_attention:
+        return (f"{name} needs the attention probabilities of its decode steps, which kvtrim's vLLM worker does "
+                "not hand over yet")
+    if method.needs_queries and not _queries_at_prompt_end_only(method):
+        return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
+                "prompt block), which kvtrim's vLLM worker does not hand over yet: compression_ratio= runs")
     if not isinstance(method, ScoringMethod):
         return f"{name} is not supported inside vLLM yet (only ranking methods on keys and values)"
     if getattr(method, "skip_layers", ()):
         return f"{name}: skip_layers is not supported inside vLLM (every layer must keep the same number of entries)"
     return None
+
+
+def _queries_at_prompt_end_only(method: EvictionMethod) -> bool:
+    """True for a method that reads queries only at the prompt's end (the last `prompt_queries()` of them, which
+    kvtrim's attention backend captures): a `ScoringMethod` that evicts once, when the prompt ends
+    (`Schedule()`: SnapKV `compression_ratio=`), and observes nothing before."""
+    return (isinstance(method, ScoringMethod) and method.schedule() == Schedule()
+            and type(method).observe is ScoringMethod.observe and method.prompt_queries() > 0)
 
 
 def method_for_vllm(text: str) -> EvictionMethod | None:

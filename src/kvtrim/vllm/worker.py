@@ -22,10 +22,13 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`TrimScheduler.update_from_output`) while every other request goes on;
 * the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported): after
   `load_model` one `QueryTap` is attached to every attention layer and `kvtrim_attention` says whether
-  every layer's impl is kvtrim's (else methods that need queries are refused in one line); each forward
+  every layer's impl is kvtrim's (else a request whose method needs queries fails, below); each forward
   (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
   a request's prompt, across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once
-  the prompt's forward has run. Requests that ask for nothing leave the tap idle (vLLM's path exactly);
+  the prompt's forward has run, and the compaction at the prompt's end gives each layer's to the method
+  (SnapKV `compression_ratio=`; `kvtrim.vllm.compact`). Without the hand-off such a request fails alone
+  at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
+  (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
   (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
   scheduler's planning of every step included).
@@ -92,6 +95,8 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_tap = attention.QueryTap()
         #: whether every attention layer hands its queries over (set by `load_model`)
         self.kvtrim_attention = False
+        #: each attention layer's softmax scale, in layer order (set by `load_model`; handed to methods with queries)
+        self.kvtrim_scales: list[float] | None = None
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -101,10 +106,11 @@ class TrimModelRunner(CPUModelRunner):
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         missing = attention.attach(layers, self.kvtrim_tap)
         self.kvtrim_attention = bool(layers) and not missing
+        self.kvtrim_scales = [float(layers[name].impl.scale) for name in sorted(layers, key=self.kvtrim_tap.layers.get)]
         if self.kvtrim_attention:
             logger.info("kvtrim: attention hand-off on %d layers", len(layers))
         else:
-            logger.warning("kvtrim: no attention hand-off (%s): methods that need queries or attention are refused",
+            logger.warning("kvtrim: no attention hand-off (%s): requests whose method needs queries fail at their prompt's end",
                            f"layer {missing[0]} has {type(layers[missing[0]].impl).__name__}" if missing
                            else "no attention layers")
 
@@ -243,7 +249,15 @@ class TrimModelRunner(CPUModelRunner):
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
-            gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens)
+            queries = None
+            if method.needs_queries and any(ends for _, ends, _ in steps):  # SnapKV: the prompt's last queries
+                queries = self.kvtrim_prompt_queries(req_id)
+                self.kvtrim_tap.forget(req_id)  # read once: the window's memory goes with the compaction
+                if queries is None:
+                    raise KvtrimError(f"{type(method).__name__} needs the prompt's queries, which this engine's "
+                                      "attention does not hand over (kvtrim's attention backend is not in every layer)")
+            gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
+                           queries, self.kvtrim_scales)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")

@@ -1,13 +1,15 @@
 """Test only: kvtrim's worker whose runner copies the prompt-window queries a request asks for in its
 `SamplingParams.extra_args` (`{"probe": NAME, "probe_window": W}`), instead of only those its method needs
-(no method the engine runs needs queries yet). Put this folder on PYTHONPATH and pass
+(a request that gives no `probe_window` gets its method's: SnapKV's). Put this folder on PYTHONPATH and pass
 `worker_cls="kvtrim_attention_probe.ProbeWorker"` (tests/test_vllm_attention.py); `probe_report(path)`
 (through `collective_rpc`) saves with `torch.save` what the tests check:
 
 * `impls`: attention layer name -> its impl's class name; `attention`: the runner's `kvtrim_attention`;
 * `windows`: NAME -> the request's captured window `(layers, q_heads, W, head_dim)` (kept after it ends);
 * `plans`: NAME -> the `(row_start, row_end, at)` planned in each forward that copied rows of it;
-* `steps`: forwards run, and per NAME the forwards it was in; `copies`: the tap's copies so far.
+* `steps`: forwards run, and per NAME the forwards it was in; `copies`: the tap's copies so far;
+* `kept`: NAME -> the token positions its blocks hold after its prompt's compaction, per layer and KV head
+  `(layers, kv_heads, n_keep)` sorted; `failed`: NAME -> why its compaction failed (one line).
 """
 
 from __future__ import annotations
@@ -24,13 +26,25 @@ class ProbeRunner(TrimModelRunner):
         self.probe_plans: dict[str, list] = {}
         self.probe_in_steps: dict[str, int] = {}
         self.probe_steps = 0
+        self.probe_kept: dict[str, torch.Tensor] = {}
+        self.probe_failed: dict[str, str] = {}
 
     def _probe_args(self, req_id: str) -> dict:
         params = self.requests[req_id].sampling_params
         return (params.extra_args or {}) if params is not None else {}
 
     def kvtrim_query_window(self, req_id: str) -> int:
-        return int(self._probe_args(req_id).get("probe_window", 0))
+        args = self._probe_args(req_id)
+        return int(args["probe_window"]) if "probe_window" in args else super().kvtrim_query_window(req_id)
+
+    def _compact(self, req_id: str, plan, end: int) -> None:
+        super()._compact(req_id, plan, end)
+        name = self._probe_args(req_id).get("probe", req_id)
+        if req_id in self._kvtrim_failed:
+            self.probe_failed[name] = self._kvtrim_failed[req_id]
+        elif plan.steps[0][1]:  # the prompt's compaction
+            positions = self.kvtrim_entries[req_id].positions
+            self.probe_kept[name] = torch.stack([p.sort(dim=-1).values for p in positions])
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -64,4 +78,5 @@ class ProbeWorker(TrimCPUWorker):
         torch.save({"impls": {name: type(layer.impl).__name__ for name, layer in layers.items()},
                     "attention": runner.kvtrim_attention, "windows": runner.probe_windows,
                     "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
-                    "copies": runner.kvtrim_tap.copies}, path)
+                    "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "failed": runner.probe_failed},
+                   path)
