@@ -44,7 +44,7 @@ bench-serving: setup serve-env
 
 LONG_METHODS = keydiff:budget=512,streaming:budget=512,lagkv:keep_ratio=0.125
 bench-serving-long: setup serve-env
-	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long --requests 16 \
+	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-32 --requests 32 \
 		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
 
 LONG_PROMPT_METHODS = keydiff:budget=1024:block_size=256,keydiff:budget=512:block_size=256
