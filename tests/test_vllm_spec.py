@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtrim import KeyDiff, KNorm, KvtrimError, LagKV, SnapKV, StreamingLLM
+from kvtrim import TOVA, KeyDiff, KNorm, KvtrimError, LagKV, SnapKV, StreamingLLM
 from kvtrim.vllm.spec import method_for_vllm
 
 
@@ -25,6 +25,11 @@ def test_decoding_modes_run(text, cls):  # methods that evict while decoding (re
     assert type(method) is cls and method.compression_ratio is None
 
 
+@pytest.mark.parametrize("text", ["tova:budget=64", "tova:compression_ratio=0.5"])
+def test_tova_runs(text):  # the prompt's last query, then each due decode step's probabilities (the worker's tap)
+    assert type(method_for_vllm(text)) is TOVA
+
+
 def test_full_evicts_nothing():
     assert method_for_vllm("full") is None
 
@@ -33,7 +38,6 @@ def test_full_evicts_nothing():
     ("nope", "unknown method 'nope'"),
     ("snapkv:budget=64", "budget= evicts after every prompt block"),
     ("h2o:budget=64", "attention probabilities"),
-    ("tova:compression_ratio=0.5", "attention probabilities"),
     ("lazyeviction:budget=512", "attention probabilities"),
     ("kvzip:compression_ratio=0.5", "scoring passes"),
     ("adakv:method=snapkv:compression_ratio=0.5", "different number of entries per KV head"),

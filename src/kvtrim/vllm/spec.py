@@ -13,7 +13,11 @@ number of entries that depends on token counts only:
   then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
 * methods that read the prompt's last queries once, at its end (SnapKV `compression_ratio=`): kvtrim's
   attention backend captures them (`kvtrim.vllm.attention`);
-* not: methods that need attention probabilities (H2O, TOVA, LazyEviction) or queries elsewhere (SnapKV
+* TOVA (`budget=`, `compression_ratio=`): the prompt's last query at its end, then each due decode step's
+  query, whose attention probabilities over the request's stored entries the compaction computes (an
+  append, a recomputed request's tokens after its prompt, hands over its last query: all TOVA reads);
+* not: methods that need the attention of every prompt query (H2O) or a recurrence over decode steps
+  (LazyEviction), queries elsewhere (SnapKV
   `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
@@ -31,6 +35,7 @@ from functools import cache, lru_cache
 from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.adakv import AdaKV
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
+from kvtrim.methods.tova import TOVA
 from kvtrim.specs import parse_method_spec
 
 
@@ -45,9 +50,10 @@ def refusal(method: EvictionMethod) -> str | None:
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
     if method.needs_attention:
-        return (f"{name} needs the attention probabilities of its decode steps, which kvtrim's vLLM worker does "
-                "not hand over yet")
-    if method.needs_queries and not _queries_at_prompt_end_only(method):
+        if not isinstance(method, TOVA):
+            return (f"{name} needs the attention probabilities of every prompt and append query (or a recurrence over "
+                    "decode steps), which kvtrim's vLLM worker does not hand over yet: TOVA's (last query) runs")
+    elif method.needs_queries and not _queries_at_prompt_end_only(method):
         return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
                 "prompt block), which kvtrim's vLLM worker does not hand over yet: compression_ratio= runs")
     if not isinstance(method, ScoringMethod):
