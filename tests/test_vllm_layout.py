@@ -330,16 +330,19 @@ def test_snapkv_compaction_gets_the_prompts_queries(spec, tail, dtype):
     assert any(not torch.equal(e, expected[0]) for e in expected[1:])  # each layer's own queries decided it
 
 
-@pytest.mark.parametrize("spec", ["tova:budget=40", "tova:budget=100", "tova:compression_ratio=0.5"])
+@pytest.mark.parametrize("spec", ["tova:budget=40", "tova:budget=100", "tova:compression_ratio=0.5", "h2o:budget=40",
+                                  "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20"])
 @pytest.mark.parametrize("tail", [0, 3])
-def test_tova_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
-    """TOVA in the engine, token by token: the prompt's compaction gets each layer's last prompt query, every
-    due forward after it its last query (what the attention tap captures), from which the compaction computes
-    a decode step's probabilities over the layer's stored entries. The blocks end up holding, per layer and KV
+def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
+    """TOVA and H2O in the engine, token by token: the prompt's compaction gets each layer's last prompt queries
+    (TOVA: the last one, H2O: all), every due forward after it the queries of its tokens after the prompt (what
+    the attention tap captures), from which the compaction computes a decode step's probabilities over the
+    layer's stored entries (H2O: accumulated in its state, carried from one compaction to the next). The blocks end up holding, per layer and KV
     head, what `TrimCache` keeps when kvtrim's attention hands it the same queries and the probabilities that
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
     tokens after its prompt in the prompt's forward (an append)."""
     from kvtrim.attention import attend_with_probabilities
+    from kvtrim.vllm.spec import prompt_queries
 
     method = method_for_vllm(spec)
     prompt, new, n_layers, q_heads, scale = 2 * BS + 5, 60, 3, 3 * H, 0.125
@@ -360,9 +363,10 @@ def test_tova_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
                          slots)
         steps = forward_steps(start, end, prompt)
         if counts.advance(steps):
+            window = prompt_queries(method, prompt)
             gone = compact(caches, blocks, method, entries, steps, end, prompt,
-                           [q[:, prompt - 1:prompt] for q in queries], [scale] * n_layers,
-                           [q[:, end - 1:end] for q in queries] if end > prompt else None)
+                           [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
+                           [q[:, max(start, prompt):end] for q in queries] if end > prompt else None)
             assert gone == counts.discarded
             due_decodes += end > first
     reference = []

@@ -12,7 +12,7 @@ methods ask for (issue 35; design: docs/vllm-attention-design.md).
   built. The `vllm.general_plugins` entry point `kvtrim` calls it in every vLLM process where kvtrim is
   installed with that metadata.
 * `QueryTap`: the per-step plan (which rows of this forward belong to which request's prompt window, and
-  which row is a due decode step's query) and the copies, per request and layer, the windows filled across
+  which rows are a due decode step's or append's queries) and the copies, per request and layer, the windows filled across
   vLLM's prefill chunks.
 * `window_rows`: which positions of a forward fall in a prompt's last window (a pure function).
 
@@ -64,10 +64,11 @@ class QueryTap:
     filled: dict[str, int] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     copies: int = 0
-    #: this step's plan of last rows, req_id -> the forward's query row of the request's last token (a due
-    #: forward after the prompt of a method that `needs_attention`: TOVA); empty on steps that capture none
-    last_rows: dict[str, int] = field(default_factory=dict)
-    #: req_id -> per layer index, that row's query `(q_heads, 1, head_dim)` (taken by the compaction)
+    #: this step's plan of tail rows, req_id -> the forward's query rows `(start, end)` of the request's tokens
+    #: after its prompt (a due forward of a method that `needs_attention`: TOVA, H2O); empty on steps that
+    #: capture none
+    last_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: req_id -> per layer index, those rows' queries `(q_heads, rows, head_dim)` (taken by the compaction)
     last: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -79,14 +80,15 @@ class QueryTap:
         """Plan nothing for the next forward (a dummy run copies nothing)."""
         self.rows, self.last_rows = {}, {}
 
-    def plan_last(self, req_id: str, row: int) -> None:
-        """This step's query row `row` is request `req_id`'s last token (its decode step's query)."""
-        self.last_rows[req_id] = row
+    def plan_last(self, req_id: str, start: int, end: int) -> None:
+        """This step's query rows `[start, end)` are request `req_id`'s tokens after its prompt (a decode step's
+        query, or an append's)."""
+        self.last_rows[req_id] = (start, end)
         self.last.pop(req_id, None)
 
     def take_last(self, req_id: str) -> list[torch.Tensor] | None:
-        """Request `req_id`'s last-row query of this step, per layer `(q_heads, 1, head_dim)` (None when none
-        was captured); it is forgotten."""
+        """Request `req_id`'s tail-row queries of this step, per layer `(q_heads, rows, head_dim)` (None when
+        none were captured); they are forgotten."""
         per_layer = self.last.pop(req_id, None)
         return None if not per_layer else [per_layer[i] for i in sorted(per_layer)]
 
@@ -106,8 +108,8 @@ class QueryTap:
                 buf = per_layer[idx] = query.new_empty((query.shape[1], self.windows[req_id], query.shape[2]))
             buf[:, at:at + end - start].copy_(query[start:end].transpose(0, 1))
             self.copies += 1
-        for req_id, row in self.last_rows.items():
-            self.last.setdefault(req_id, {})[idx] = query[row:row + 1].transpose(0, 1).clone()
+        for req_id, (start, end) in self.last_rows.items():
+            self.last.setdefault(req_id, {})[idx] = query[start:end].transpose(0, 1).clone()
 
     def window(self, req_id: str) -> list[torch.Tensor] | None:
         """Request `req_id`'s window, per layer `(q_heads, W, head_dim)`, once all its rows were planned and

@@ -210,11 +210,11 @@ class StoredCounts:
                 full, _ = self.cache.update(k, v, 0)
             layer = self._layer
             if layer.awaiting_attention:  # stand-in queries (and probabilities), as the worker hands over
-                if ends:  # the prompt's last queries (SnapKV, TOVA)
+                if ends:  # the prompt's last queries (SnapKV, TOVA; H2O: all)
                     layer.after_attention(self._queries(q), None, None)
-                elif phase is not Phase.PREFILL and self.method.needs_attention:  # TOVA: the step's last query
+                elif phase is not Phase.PREFILL and self.method.needs_attention:  # TOVA, H2O: the step's queries
                     probs = torch.randn(1, 1, 1, full.shape[-2], generator=self._gen).softmax(-1) if q == 1 else None
-                    layer.after_attention(torch.randn(1, 1, 1, 8, generator=self._gen), probs, None)
+                    layer.after_attention(torch.randn(1, 1, q, 8, generator=self._gen), probs, None)
                 else:
                     layer.after_attention(None, None, None)
             due = due or layer.evictions != evictions or _changed(state, layer.state)
@@ -343,10 +343,10 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     A method that waits for its attention (`needs_queries`: SnapKV) gets it after each step as kvtrim's
     attention hands it over in transformers (`TrimLayer.after_attention`): `queries` `(b, q_heads, W,
     head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt, and the layer's softmax
-    `scale`. A method that `needs_attention` (TOVA) gets `last` `(b, q_heads, 1, head_dim)`, the forward's last
-    query, with the step after the prompt (a decode step: with its probabilities over the layer's entries after
-    the step's append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an
-    append: its last query only, all TOVA reads of it). Any other step gets None."""
+    `scale`. A method that `needs_attention` (TOVA, H2O) gets `last` `(b, q_heads, q, head_dim)`, the queries of
+    the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
+    append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
+    queries, as kvtrim's attention hands them). Any other step gets None."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
@@ -407,8 +407,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     A method that needs queries (SnapKV) decides layer by layer, each layer's given with the forward that ends
     the prompt: `queries` per layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what
     the worker's attention tap captured) and the layers' softmax `scales` (`_decide`). A method that needs the
-    attention of its decode steps (TOVA) gets, with a forward after the prompt, `last` per layer `(q_heads, 1,
-    head_dim)`: the forward's last query, from which `_decide` computes the step's probabilities."""
+    attention of its decode steps (TOVA, H2O) gets, with a forward after the prompt, `last` per layer `(q_heads,
+    q, head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
+    probabilities."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
