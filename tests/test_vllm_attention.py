@@ -240,15 +240,16 @@ def test_snapkv_without_its_queries_fails_alone(engine, tmp_path):
     assert len(outputs[1].token_ids) == SNAP_TOKENS and "beside" not in r["failed"] and "beside" in r["kept"]
 
 
-#: TOVA in the engine: a budget below the prompt (the prompt's end cuts, then every decode step evicts one), and a
-#: ratio (the budget fixed when the prompt ends)
+#: TOVA and H2O in the engine: a budget below the prompt (the prompt's end cuts, then every decode step evicts
+#: one), and a ratio (the budget fixed when the prompt ends)
 TOVA = ["tova:budget=24", "tova:compression_ratio=0.5"]
+H2O = ["h2o:budget=24", "h2o:compression_ratio=0.5"]
 TOVA_TOKENS = 8  # the last sampled token is never forwarded: TOVA_TOKENS - 1 decode steps
 
 
 @pytest.fixture(scope="module")
 def hf_tova():
-    """(prompt, spec) -> transformers' TOVA (kvtrim's attention, float32, the prompt in one forward, then one
+    """(prompt, spec) -> transformers' TOVA and H2O (kvtrim's attention, float32, the prompt in one forward, then one
     token a step, greedy): the positions kept after the prompt and `TOVA_TOKENS - 1` decode steps per layer and
     KV head `(layers, kv_heads, n_keep)` sorted, and the greedy tokens."""
     from kvtrim import TrimCache, load_model
@@ -259,7 +260,7 @@ def hf_tova():
     with torch.no_grad():
         for prompt in ("long", "idle"):
             ids = torch.tensor([tok(REQUESTS[prompt][0]).input_ids])
-            for spec in TOVA:
+            for spec in TOVA + H2O:
                 cache = TrimCache(parse_method_spec(spec).build(), config=model.config, prompt_length=ids.shape[-1])
                 logits, new = model(ids, past_key_values=cache, use_cache=True).logits, []
                 for step in range(TOVA_TOKENS):
@@ -272,17 +273,20 @@ def hf_tova():
     return out
 
 
-def test_tova_keeps_what_transformers_keeps_while_decoding(engine, hf_tova, tmp_path):
-    """TOVA in the engine: the prompt's last query (captured in its last chunk) at the prompt's end, then at each
-    decode step the step's query, whose probabilities over the request's stored entries the compaction computes:
+@pytest.mark.parametrize("specs", [TOVA, H2O], ids=["tova", "h2o"])
+def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_path, specs):
+    """TOVA and H2O in the engine: the prompt's last queries (TOVA: the last, captured in its last chunk; H2O: all,
+    across chunks) at the prompt's end, then at each decode step the step's query, whose probabilities over the
+    request's stored entries the compaction computes (H2O: accumulated in its state across compactions):
     after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
     in transformers, and the greedy tokens are transformers'; a request beside it with another method, or none,
     is unaffected."""
     llm, tok = engine
-    a, b = TOVA
-    runs = [[("tova-alone", "long", a, None)],
-            [("tova-long", "long", b, None), ("tova-idle", "idle", a, None), ("tova-full", "short", "full", None)],
-            [("tova-idle-b", "idle", b, None), ("tova-snap", "long", SNAPKV[0], None)]]
+    a, b = specs
+    m = a.split(":")[0]
+    runs = [[(f"{m}-alone", "long", a, None)],
+            [(f"{m}-long", "long", b, None), (f"{m}-idle", "idle", a, None), (f"{m}-full", "short", "full", None)],
+            [(f"{m}-idle-b", "idle", b, None), (f"{m}-snap", "long", SNAPKV[0], None)]]
     for items in runs:
         from vllm import SamplingParams
 
@@ -293,7 +297,7 @@ def test_tova_keeps_what_transformers_keeps_while_decoding(engine, hf_tova, tmp_
         r = report(llm, tmp_path)
         for (name, prompt, spec, _), output in zip(items, outputs):
             assert len(output.token_ids) == TOVA_TOKENS and name not in r["failed"], (name, r["failed"].get(name))
-            if not spec.startswith("tova"):
+            if spec not in specs:
                 continue
             kept, tokens = hf_tova[prompt, spec]
             end, got = r["latest"][name]
