@@ -238,3 +238,71 @@ def test_snapkv_without_its_queries_fails_alone(engine, tmp_path):
     assert "needs the prompt's queries" in r["failed"]["no-queries"] and "\n" not in r["failed"]["no-queries"]
     assert outputs[0].finish_reason != "length" and len(outputs[0].token_ids) < SNAP_TOKENS
     assert len(outputs[1].token_ids) == SNAP_TOKENS and "beside" not in r["failed"] and "beside" in r["kept"]
+
+
+#: TOVA and H2O in the engine: a budget below the prompt (the prompt's end cuts, then every decode step evicts
+#: one), and a ratio (the budget fixed when the prompt ends)
+TOVA = ["tova:budget=24", "tova:compression_ratio=0.5"]
+H2O = ["h2o:budget=24", "h2o:compression_ratio=0.5"]
+TOVA_TOKENS = 8  # the last sampled token is never forwarded: TOVA_TOKENS - 1 decode steps
+
+
+@pytest.fixture(scope="module")
+def hf_tova():
+    """(prompt, spec) -> transformers' TOVA and H2O (kvtrim's attention, float32, the prompt in one forward, then one
+    token a step, greedy): the positions kept after the prompt and `TOVA_TOKENS - 1` decode steps per layer and
+    KV head `(layers, kv_heads, n_keep)` sorted, and the greedy tokens."""
+    from kvtrim import TrimCache, load_model
+    from kvtrim.specs import parse_method_spec
+
+    model, tok = load_model(MODEL, dtype="float32")  # kvtrim's attention
+    out = {}
+    with torch.no_grad():
+        for prompt in ("long", "idle"):
+            ids = torch.tensor([tok(REQUESTS[prompt][0]).input_ids])
+            for spec in TOVA + H2O:
+                cache = TrimCache(parse_method_spec(spec).build(), config=model.config, prompt_length=ids.shape[-1])
+                logits, new = model(ids, past_key_values=cache, use_cache=True).logits, []
+                for step in range(TOVA_TOKENS):
+                    new.append(int(logits[0, -1].argmax()))
+                    if step < TOVA_TOKENS - 1:
+                        logits = model(torch.tensor([new[-1:]]), past_key_values=cache, use_cache=True).logits
+                kept = torch.stack([layer.kept_positions()[0].sort(dim=-1).values for layer in cache.layers])
+                assert int(kept.max()) == ids.shape[-1] + TOVA_TOKENS - 2 and kept.shape[-1] < ids.shape[-1]
+                out[prompt, spec] = kept, new
+    return out
+
+
+@pytest.mark.parametrize("specs", [TOVA, H2O], ids=["tova", "h2o"])
+def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_path, specs):
+    """TOVA and H2O in the engine: the prompt's last queries (TOVA: the last, captured in its last chunk; H2O: all,
+    across chunks) at the prompt's end, then at each decode step the step's query, whose probabilities over the
+    request's stored entries the compaction computes (H2O: accumulated in its state across compactions):
+    after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
+    in transformers, and the greedy tokens are transformers'; a request beside it with another method, or none,
+    is unaffected."""
+    llm, tok = engine
+    a, b = specs
+    m = a.split(":")[0]
+    runs = [[(f"{m}-alone", "long", a, None)],
+            [(f"{m}-long", "long", b, None), (f"{m}-idle", "idle", a, None), (f"{m}-full", "short", "full", None)],
+            [(f"{m}-idle-b", "idle", b, None), (f"{m}-snap", "long", SNAPKV[0], None)]]
+    for items in runs:
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": tok(REQUESTS[p][0]).input_ids} for _, p, _, _ in items]
+        params = [SamplingParams(max_tokens=TOVA_TOKENS, temperature=0, ignore_eos=True,
+                                 extra_args={"probe": n, "kvtrim": spec}) for n, _, spec, _ in items]
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        r = report(llm, tmp_path)
+        for (name, prompt, spec, _), output in zip(items, outputs):
+            assert len(output.token_ids) == TOVA_TOKENS and name not in r["failed"], (name, r["failed"].get(name))
+            if spec not in specs:
+                continue
+            kept, tokens = hf_tova[prompt, spec]
+            end, got = r["latest"][name]
+            assert end == len(tok(REQUESTS[prompt][0]).input_ids) + TOVA_TOKENS - 1, name
+            assert got.shape == kept.shape == (30, 3, kept.shape[-1]), name
+            differ = (got != kept).any(dim=-1)
+            assert not differ.any(), (name, differ.nonzero().tolist())
+            assert list(output.token_ids) == tokens, name

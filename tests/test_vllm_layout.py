@@ -328,3 +328,63 @@ def test_snapkv_compaction_gets_the_prompts_queries(spec, tail, dtype):
     assert gone == stored - expected[0].shape[-1] > 0
     assert_holds(caches, blocks, originals, expected, entries)
     assert any(not torch.equal(e, expected[0]) for e in expected[1:])  # each layer's own queries decided it
+
+
+@pytest.mark.parametrize("spec", ["tova:budget=40", "tova:budget=100", "tova:compression_ratio=0.5", "h2o:budget=40",
+                                  "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20"])
+@pytest.mark.parametrize("tail", [0, 3])
+def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
+    """TOVA and H2O in the engine, token by token: the prompt's compaction gets each layer's last prompt queries
+    (TOVA: the last one, H2O: all), every due forward after it the queries of its tokens after the prompt (what
+    the attention tap captures), from which the compaction computes a decode step's probabilities over the
+    layer's stored entries (H2O: accumulated in its state, carried from one compaction to the next). The blocks end up holding, per layer and KV
+    head, what `TrimCache` keeps when kvtrim's attention hands it the same queries and the probabilities that
+    made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
+    tokens after its prompt in the prompt's forward (an append)."""
+    from kvtrim.attention import attend_with_probabilities
+    from kvtrim.vllm.spec import prompt_queries
+
+    method = method_for_vllm(spec)
+    prompt, new, n_layers, q_heads, scale = 2 * BS + 5, 60, 3, 3 * H, 0.125
+    total = prompt + tail + new
+    blocks = torch.tensor([9, 4, 11, 0, 7, 2, 5, 1])
+    torch.manual_seed(8)
+    originals = [((torch.randn(H, total, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(H, total, D).to(dtype))
+                 for _ in range(n_layers)]
+    queries = [(torch.randn(q_heads, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(n_layers)]
+    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
+    counts, entries, gone, due_decodes = StoredCounts(method), RequestEntries(), 0, 0
+    first = prompt + tail
+    for start, end in [(0, first)] + [(t, t + 1) for t in range(first, total)]:
+        hole = entries.fill_hole(start) if end > first else None
+        slots = request_slots(blocks, end - gone)[start - gone:] if hole is None else request_slots(blocks, hole + 1)[-1:]
+        for cache, (k, v) in zip(caches, originals):
+            kernel_write(cache, k[:, start:end].transpose(0, 1).contiguous(), v[:, start:end].transpose(0, 1).contiguous(),
+                         slots)
+        steps = forward_steps(start, end, prompt)
+        if counts.advance(steps):
+            window = prompt_queries(method, prompt)
+            gone = compact(caches, blocks, method, entries, steps, end, prompt,
+                           [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
+                           [q[:, max(start, prompt):end] for q in queries] if end > prompt else None)
+            assert gone == counts.discarded
+            due_decodes += end > first
+    reference = []
+    for idx, ((k, v), q) in enumerate(zip(originals, queries)):
+        cache = TrimCache(method)
+        with cache.phase(Phase.PREFILL, ends_prompt=True):
+            cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
+        layer = cache.layers[idx]
+        layer.after_attention(q[None, :, :prompt], None, scale)
+        if tail:
+            with cache.phase(Phase.APPEND):
+                cache.update(k[None, :, prompt:first].clone(), v[None, :, prompt:first].clone(), idx)
+            layer.after_attention(q[None, :, prompt:first], None, scale)
+        for t in range(first, total):
+            full_k, full_v = cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
+            q_t = q[None, :, t:t + 1]
+            layer.after_attention(q_t, attend_with_probabilities(q_t, full_k, full_v, None, scale)[1], scale)
+        reference.append(layer.kept_positions()[0].sort(dim=-1).values)
+    assert due_decodes >= 2 and gone == total - reference[0].shape[-1]
+    assert_holds(caches, blocks, originals, reference, entries)
+    assert any(not torch.equal(e, reference[0]) for e in reference[1:])  # each layer's own attention decided it

@@ -11,8 +11,9 @@ methods ask for (issue 35; design: docs/vllm-attention-design.md).
   the worker process (`WorkerWrapperBase.init_worker`) before the model, and so its attention layers, is
   built. The `vllm.general_plugins` entry point `kvtrim` calls it in every vLLM process where kvtrim is
   installed with that metadata.
-* `QueryTap`: the per-step plan (which rows of this forward belong to which request's prompt window) and
-  the windows' copies, per request and layer, filled across vLLM's prefill chunks.
+* `QueryTap`: the per-step plan (which rows of this forward belong to which request's prompt window, and
+  which rows are a due decode step's or append's queries) and the copies, per request and layer, the windows filled across
+  vLLM's prefill chunks.
 * `window_rows`: which positions of a forward fall in a prompt's last window (a pure function).
 
 The queries an impl receives are `(num_tokens, q_heads, head_dim)`, post-RoPE (`LlamaAttention.forward`
@@ -63,6 +64,33 @@ class QueryTap:
     filled: dict[str, int] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     copies: int = 0
+    #: this step's plan of tail rows, req_id -> the forward's query rows `(start, end)` of the request's tokens
+    #: after its prompt (a due forward of a method that `needs_attention`: TOVA, H2O); empty on steps that
+    #: capture none
+    last_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: req_id -> per layer index, those rows' queries `(q_heads, rows, head_dim)` (taken by the compaction)
+    last: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        """True when this step copies anything."""
+        return bool(self.rows) or bool(self.last_rows)
+
+    def clear_plan(self) -> None:
+        """Plan nothing for the next forward (a dummy run copies nothing)."""
+        self.rows, self.last_rows = {}, {}
+
+    def plan_last(self, req_id: str, start: int, end: int) -> None:
+        """This step's query rows `[start, end)` are request `req_id`'s tokens after its prompt (a decode step's
+        query, or an append's)."""
+        self.last_rows[req_id] = (start, end)
+        self.last.pop(req_id, None)
+
+    def take_last(self, req_id: str) -> list[torch.Tensor] | None:
+        """Request `req_id`'s tail-row queries of this step, per layer `(q_heads, rows, head_dim)` (None when
+        none were captured); they are forgotten."""
+        per_layer = self.last.pop(req_id, None)
+        return None if not per_layer else [per_layer[i] for i in sorted(per_layer)]
 
     def plan(self, req_id: str, row_start: int, row_end: int, at: int, window: int) -> None:
         """This step's rows `[row_start, row_end)` of request `req_id` are its window's `[at, at + rows)`."""
@@ -80,6 +108,8 @@ class QueryTap:
                 buf = per_layer[idx] = query.new_empty((query.shape[1], self.windows[req_id], query.shape[2]))
             buf[:, at:at + end - start].copy_(query[start:end].transpose(0, 1))
             self.copies += 1
+        for req_id, (start, end) in self.last_rows.items():
+            self.last.setdefault(req_id, {})[idx] = query[start:end].transpose(0, 1).clone()
 
     def window(self, req_id: str) -> list[torch.Tensor] | None:
         """Request `req_id`'s window, per layer `(q_heads, W, head_dim)`, once all its rows were planned and
@@ -91,7 +121,7 @@ class QueryTap:
         return [per_layer[i] for i in sorted(per_layer)]
 
     def forget(self, req_id: str) -> None:
-        for d in (self.rows, self.windows, self.queries, self.filled):
+        for d in (self.rows, self.windows, self.queries, self.filled, self.last_rows, self.last):
             d.pop(req_id, None)
 
 
@@ -100,7 +130,7 @@ class TrimCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, *args, **kwargs):
         tap = getattr(layer, TAP_ATTR, None)
-        if tap is not None and tap.rows:
+        if tap is not None and tap.active:
             tap.capture(layer.layer_name, query)
         return super().forward(layer, query, *args, **kwargs)
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvtrim.attention import attend_with_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
 from kvtrim.vllm.layout import move_entries, read_request, slot_places, write_entries
@@ -206,10 +207,16 @@ class StoredCounts:
             state = self.cache.method.new_state(0) if layer is None else copy.deepcopy(layer.state)
             k, v = torch.randn(2, 1, 1, q, 8, generator=self._gen)
             with self.cache.phase(phase, ends_prompt=ends):
-                self.cache.update(k, v, 0)
+                full, _ = self.cache.update(k, v, 0)
             layer = self._layer
-            if layer.awaiting_attention:  # a method that needs queries (SnapKV): stand-in queries, as the worker's
-                layer.after_attention(self._queries(q) if ends else None, None, None)
+            if layer.awaiting_attention:  # stand-in queries (and probabilities), as the worker hands over
+                if ends:  # the prompt's last queries (SnapKV, TOVA; H2O: all)
+                    layer.after_attention(self._queries(q), None, None)
+                elif phase is not Phase.PREFILL and self.method.needs_attention:  # TOVA, H2O: the step's queries
+                    probs = torch.randn(1, 1, 1, full.shape[-2], generator=self._gen).softmax(-1) if q == 1 else None
+                    layer.after_attention(torch.randn(1, 1, q, 8, generator=self._gen), probs, None)
+                else:
+                    layer.after_attention(None, None, None)
             due = due or layer.evictions != evictions or _changed(state, layer.state)
         return due
 
@@ -326,7 +333,7 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
 
 def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
             slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any,
-            queries: torch.Tensor | None = None, scale: float | None = None):
+            queries: torch.Tensor | None = None, scale: float | None = None, last: torch.Tensor | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
     stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
     (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
@@ -335,8 +342,11 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
 
     A method that waits for its attention (`needs_queries`: SnapKV) gets it after each step as kvtrim's
     attention hands it over in transformers (`TrimLayer.after_attention`): `queries` `(b, q_heads, W,
-    head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt (None with any other
-    step), and the layer's softmax `scale`."""
+    head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt, and the layer's softmax
+    `scale`. A method that `needs_attention` (TOVA, H2O) gets `last` `(b, q_heads, q, head_dim)`, the queries of
+    the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
+    append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
+    queries, as kvtrim's attention hands them). Any other step gets None."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
@@ -357,9 +367,18 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     start = old
     for phase, ends, q in steps:
         with cache.phase(phase, ends_prompt=ends):
-            cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
+            full_keys, full_values = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q],
+                                                  len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
-            layer.after_attention(queries if ends else None, None, scale)
+            if ends:
+                layer.after_attention(queries, None, scale)
+            elif phase is not Phase.PREFILL and last is not None:
+                probs = None
+                if q == 1:  # what kvtrim's attention hands a decode step: the probabilities that made its output
+                    probs = attend_with_probabilities(last, full_keys, full_values, None, scale)[1]
+                layer.after_attention(last, probs, scale)
+            else:
+                layer.after_attention(None, None, scale)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
@@ -370,7 +389,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
 
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
-            queries: list[torch.Tensor] | None = None, scales: list[float] | None = None) -> int:
+            queries: list[torch.Tensor] | None = None, scales: list[float] | None = None,
+            last: list[torch.Tensor] | None = None) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -386,7 +406,10 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
 
     A method that needs queries (SnapKV) decides layer by layer, each layer's given with the forward that ends
     the prompt: `queries` per layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what
-    the worker's attention tap captured) and the layers' softmax `scales` (`_decide`)."""
+    the worker's attention tap captured) and the layers' softmax `scales` (`_decide`). A method that needs the
+    attention of its decode steps (TOVA, H2O) gets, with a forward after the prompt, `last` per layer `(q_heads,
+    q, head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
+    probabilities."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
@@ -419,7 +442,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             keys, values = read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
                                           states[idx], None if queries is None else queries[idx][None],
-                                          None if scales is None else scales[idx])
+                                          None if scales is None else scales[idx],
+                                          None if last is None else last[idx][None])
             heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
                 write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])

@@ -13,7 +13,14 @@ number of entries that depends on token counts only:
   then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
 * methods that read the prompt's last queries once, at its end (SnapKV `compression_ratio=`): kvtrim's
   attention backend captures them (`kvtrim.vllm.attention`);
-* not: methods that need attention probabilities (H2O, TOVA, LazyEviction) or queries elsewhere (SnapKV
+* TOVA (`budget=`, `compression_ratio=`): the prompt's last query at its end, then each due decode step's
+  query, whose attention probabilities over the request's stored entries the compaction computes (an
+  append, a recomputed request's tokens after its prompt, hands over its last query: all TOVA reads);
+* H2O (every form): every prompt query at its end (the column sums of its causal attention; the window
+  holds `layers x q_heads x prompt x head_dim` until the prompt's compaction), then each decode step's
+  probabilities, computed as TOVA's, accumulated in its per-entry scores, which `RequestEntries.states`
+  carries from one compaction to the next (a state that changes every step: every step is due);
+* not: methods with a recurrence over decode steps (LazyEviction), queries elsewhere (SnapKV
   `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
@@ -31,6 +38,8 @@ from functools import cache, lru_cache
 from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.adakv import AdaKV
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
+from kvtrim.methods.h2o import H2O
+from kvtrim.methods.tova import TOVA
 from kvtrim.specs import parse_method_spec
 
 
@@ -45,9 +54,10 @@ def refusal(method: EvictionMethod) -> str | None:
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
     if method.needs_attention:
-        return (f"{name} needs the attention probabilities of its decode steps, which kvtrim's vLLM worker does "
-                "not hand over yet")
-    if method.needs_queries and not _queries_at_prompt_end_only(method):
+        if not isinstance(method, (TOVA, H2O)):
+            return (f"{name} needs attention probabilities with a recurrence over decode steps, which kvtrim's vLLM "
+                    "worker does not hand over yet: TOVA's and H2O's run")
+    elif method.needs_queries and not _queries_at_prompt_end_only(method):
         return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
                 "prompt block), which kvtrim's vLLM worker does not hand over yet: compression_ratio= runs")
     if not isinstance(method, ScoringMethod):
@@ -55,6 +65,13 @@ def refusal(method: EvictionMethod) -> str | None:
     if getattr(method, "skip_layers", ()):
         return f"{name}: skip_layers is not supported inside vLLM (every layer must keep the same number of entries)"
     return None
+
+
+def prompt_queries(method: EvictionMethod, prompt_tokens: int) -> int:
+    """How many of a prompt's last queries the engine hands `method` at the prompt's end: `prompt_queries()`
+    (SnapKV's window, TOVA's last), or all of them for H2O (its accumulated attention starts with the column
+    sums of the prompt's whole causal attention)."""
+    return prompt_tokens if isinstance(method, H2O) else method.prompt_queries()
 
 
 def _queries_at_prompt_end_only(method: EvictionMethod) -> bool:

@@ -26,7 +26,9 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
   a request's prompt, across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once
   the prompt's forward has run, and the compaction at the prompt's end gives each layer's to the method
-  (SnapKV `compression_ratio=`; `kvtrim.vllm.compact`). Without the hand-off such a request fails alone
+  (SnapKV `compression_ratio=`, TOVA, H2O: every prompt query; `kvtrim.vllm.compact`). A due forward after
+  the prompt of a request whose method `needs_attention` (TOVA, H2O) also copies the queries of its tokens
+  after the prompt, from which its compaction computes a decode step's attention probabilities (`compact`). Without the hand-off such a request fails alone
   at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
   (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
@@ -50,7 +52,7 @@ from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPla
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm.layout import check_isa
-from kvtrim.vllm.spec import method_for_vllm
+from kvtrim.vllm.spec import method_for_vllm, prompt_queries
 from kvtrim.vllm.worker_check import check_vllm_version
 
 
@@ -122,7 +124,7 @@ class TrimModelRunner(CPUModelRunner):
         method = self.kvtrim_method(req_id)
         if method is None or not method.needs_queries or not self.kvtrim_attention:
             return 0
-        return method.prompt_queries()
+        return prompt_queries(method, self.requests[req_id].num_prompt_tokens)
 
     def kvtrim_prompt_queries(self, req_id: str) -> list[torch.Tensor] | None:
         """Request `req_id`'s last `kvtrim_query_window` prompt queries, per layer `(q_heads, W, head_dim)`
@@ -152,7 +154,7 @@ class TrimModelRunner(CPUModelRunner):
         discarded = np.zeros(num_reqs, dtype=np.int64)
         self._kvtrim_due = []
         plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
-        self.kvtrim_tap.rows = {}
+        self.kvtrim_tap.clear_plan()
         self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
@@ -168,6 +170,10 @@ class TrimModelRunner(CPUModelRunner):
             due = plan.due.get(req_id)
             if due is not None:
                 self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
+                if due.steps[-1][0] is not Phase.PREFILL and self.kvtrim_attention and self.kvtrim_method(req_id).needs_attention:
+                    # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
+                    row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
+                    self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1][2], row_end)
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -196,7 +202,7 @@ class TrimModelRunner(CPUModelRunner):
         try:
             out = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            self.kvtrim_tap.rows = {}  # no other forward (a dummy run) copies this step's rows
+            self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
@@ -256,8 +262,14 @@ class TrimModelRunner(CPUModelRunner):
                 if queries is None:
                     raise KvtrimError(f"{type(method).__name__} needs the prompt's queries, which this engine's "
                                       "attention does not hand over (kvtrim's attention backend is not in every layer)")
+            last = None
+            if method.needs_attention and steps[-1][0] is not Phase.PREFILL:  # TOVA, H2O: the step's queries
+                last = self.kvtrim_tap.take_last(req_id)
+                if last is None:
+                    raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
+                                      "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
-                           queries, self.kvtrim_scales)
+                           queries, self.kvtrim_scales, last)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")

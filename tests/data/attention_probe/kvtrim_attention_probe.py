@@ -9,7 +9,8 @@
 * `plans`: NAME -> the `(row_start, row_end, at)` planned in each forward that copied rows of it;
 * `steps`: forwards run, and per NAME the forwards it was in; `copies`: the tap's copies so far;
 * `kept`: NAME -> the token positions its blocks hold after its prompt's compaction, per layer and KV head
-  `(layers, kv_heads, n_keep)` sorted; `failed`: NAME -> why its compaction failed (one line).
+  `(layers, kv_heads, n_keep)` sorted; `latest`: NAME -> (its token count, those positions) after its latest
+  compaction; `failed`: NAME -> why its compaction failed (one line).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ProbeRunner(TrimModelRunner):
         self.probe_in_steps: dict[str, int] = {}
         self.probe_steps = 0
         self.probe_kept: dict[str, torch.Tensor] = {}
+        self.probe_latest: dict[str, tuple[int, torch.Tensor]] = {}
         self.probe_failed: dict[str, str] = {}
 
     def _probe_args(self, req_id: str) -> dict:
@@ -42,9 +44,11 @@ class ProbeRunner(TrimModelRunner):
         name = self._probe_args(req_id).get("probe", req_id)
         if req_id in self._kvtrim_failed:
             self.probe_failed[name] = self._kvtrim_failed[req_id]
-        elif plan.steps[0][1]:  # the prompt's compaction
-            positions = self.kvtrim_entries[req_id].positions
-            self.probe_kept[name] = torch.stack([p.sort(dim=-1).values for p in positions])
+        else:
+            positions = torch.stack([p.sort(dim=-1).values for p in self.kvtrim_entries[req_id].positions])
+            self.probe_latest[name] = (end, positions)
+            if plan.steps[0][1]:  # the prompt's compaction
+                self.probe_kept[name] = positions
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -78,5 +82,5 @@ class ProbeWorker(TrimCPUWorker):
         torch.save({"impls": {name: type(layer.impl).__name__ for name, layer in layers.items()},
                     "attention": runner.kvtrim_attention, "windows": runner.probe_windows,
                     "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
-                    "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "failed": runner.probe_failed},
+                    "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed},
                    path)
