@@ -207,16 +207,11 @@ class StoredCounts:
             state = self.cache.method.new_state(0) if layer is None else copy.deepcopy(layer.state)
             k, v = torch.randn(2, 1, 1, q, 8, generator=self._gen)
             with self.cache.phase(phase, ends_prompt=ends):
-                full, _ = self.cache.update(k, v, 0)
+                full = self.cache.update(k, v, 0)
             layer = self._layer
-            if layer.awaiting_attention:  # stand-in queries (and probabilities), as the worker hands over
-                if ends:  # the prompt's last queries (SnapKV, TOVA; H2O: all)
-                    layer.after_attention(self._queries(q), None, None)
-                elif phase is not Phase.PREFILL and self.method.needs_attention:  # TOVA, H2O: the step's queries
-                    probs = torch.randn(1, 1, 1, full.shape[-2], generator=self._gen).softmax(-1) if q == 1 else None
-                    layer.after_attention(torch.randn(1, 1, q, 8, generator=self._gen), probs, None)
-                else:
-                    layer.after_attention(None, None, None)
+            if layer.awaiting_attention:  # stand-in queries, handed over as the worker's compaction hands them
+                step = torch.randn(1, 1, q, 8, generator=self._gen) if self.method.needs_attention else None
+                _hand_over(layer, phase, ends, q, full, self._queries(q) if ends else None, step, 8 ** -0.5)
             due = due or layer.evictions != evictions or _changed(state, layer.state)
         return due
 
@@ -302,11 +297,7 @@ class RequestEntries:
         check(position == self.seen, f"a hole was left at token {self.seen}, the next token is at {position}")
         assert self.positions is not None
         hole, self.hole, self.seen = self.hole, None, position + 1
-        filled: dict[int, torch.Tensor] = {}  # layers that share one positions tensor keep sharing it
-        for p in self.positions[:1] if all(p is self.positions[0] for p in self.positions) else self.positions:
-            if id(p) not in filled:
-                filled[id(p)] = p.index_fill(-1, torch.tensor([hole]), position)
-        self.positions = [filled[id(p)] for p in self.positions]
+        self.positions = _per_tensor(self.positions, lambda p: p.index_fill(-1, torch.tensor([hole]), position))
         return hole
 
     def slots(self, layer: int) -> torch.Tensor:
@@ -367,24 +358,31 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     start = old
     for phase, ends, q in steps:
         with cache.phase(phase, ends_prompt=ends):
-            full_keys, full_values = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q],
-                                                  len(cache.layers) - 1)
+            full = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
-            if ends:
-                layer.after_attention(queries, None, scale)
-            elif phase is not Phase.PREFILL and last is not None:
-                probs = None
-                if q == 1:  # what kvtrim's attention hands a decode step: the probabilities that made its output
-                    probs = attend_with_probabilities(last, full_keys, full_values, None, scale)[1]
-                layer.after_attention(last, probs, scale)
-            else:
-                layer.after_attention(None, None, scale)
+            _hand_over(layer, phase, ends, q, full, queries if ends else None, last, scale)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
     pos = layer.positions  # (b, h, n_keep), ascending
     kept_slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
     return layer, torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
+
+
+def _hand_over(layer: TrimLayer, phase: Phase, ends: bool, q: int, full: tuple[torch.Tensor, torch.Tensor],
+               prompt: torch.Tensor | None, step: torch.Tensor | None, scale: float | None) -> None:
+    """Hand a layer that waits for its attention what kvtrim's attention hands it in transformers after a step of
+    `q` tokens (`full`: the layer's keys and values after the step's append): with the step that ends the prompt,
+    the prompt's last queries `prompt`; with a step after the prompt, its queries `step` (`(b, q_heads, q,
+    head_dim)`, methods that need attention) and, for a decode step, the probabilities they attend with; else
+    nothing. The worker's compaction and the scheduler's stand-in both hand over through this one rule."""
+    if ends:
+        layer.after_attention(prompt, None, scale)
+    elif phase is not Phase.PREFILL and step is not None:
+        probs = attend_with_probabilities(step, *full, None, scale)[1] if q == 1 else None
+        layer.after_attention(step, probs, scale)
+    else:
+        layer.after_attention(None, None, scale)
 
 
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
@@ -510,18 +508,23 @@ def _same(states: list[Any]) -> bool:
     return all(not _changed(states[0], s) for s in states[1:])
 
 
+def _per_tensor(tensors: list[torch.Tensor], f) -> list[torch.Tensor]:
+    """`f` applied once per distinct tensor of `tensors` (layers that share one positions tensor share the
+    result too; all of them at once when they are one tensor, the common case)."""
+    if all(t is tensors[0] for t in tensors):
+        return [f(tensors[0])] * len(tensors)
+    done: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) not in done:
+            done[id(t)] = f(t)
+    return [done[id(t)] for t in tensors]
+
+
 def _extended(positions: list[torch.Tensor] | None, new: torch.Tensor, n_layers: int) -> list[torch.Tensor]:
-    """Each layer's slot positions `(h, m)` followed by the `new` tokens' `(h, q)`; layers that share one
-    positions tensor share its extension too."""
+    """Each layer's slot positions `(h, m)` followed by the `new` tokens' `(h, q)` (`_per_tensor`)."""
     if positions is None:
         return [new] * n_layers
-    if all(p is positions[0] for p in positions):
-        return [torch.cat([positions[0], new], dim=-1)] * n_layers
-    grown: dict[int, torch.Tensor] = {}
-    for p in positions:
-        if id(p) not in grown:
-            grown[id(p)] = torch.cat([p, new], dim=-1)
-    return [grown[id(p)] for p in positions]
+    return _per_tensor(positions, lambda p: torch.cat([p, new], dim=-1))
 
 
 def _leaves_hole(steps: list[Step]) -> bool:
