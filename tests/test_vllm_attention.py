@@ -244,12 +244,14 @@ def test_snapkv_without_its_queries_fails_alone(engine, tmp_path):
 #: one), and a ratio (the budget fixed when the prompt ends)
 TOVA = ["tova:budget=24", "tova:compression_ratio=0.5"]
 H2O = ["h2o:budget=24", "h2o:compression_ratio=0.5"]
+#: LazyEviction: evicting every 3 (2) decode steps, the prompt counted in its budget
+LAZY = ["lazyeviction:budget=24:window=3", "lazyeviction:budget=20:window=2:alpha=0.01:gqa=mean"]
 TOVA_TOKENS = 8  # the last sampled token is never forwarded: TOVA_TOKENS - 1 decode steps
 
 
 @pytest.fixture(scope="module")
 def hf_tova():
-    """(prompt, spec) -> transformers' TOVA and H2O (kvtrim's attention, float32, the prompt in one forward, then one
+    """(prompt, spec) -> transformers' TOVA, H2O and LazyEviction (kvtrim's attention, float32, the prompt in one forward, then one
     token a step, greedy): the positions kept after the prompt and `TOVA_TOKENS - 1` decode steps per layer and
     KV head `(layers, kv_heads, n_keep)` sorted, and the greedy tokens."""
     from kvtrim import TrimCache, load_model
@@ -260,7 +262,7 @@ def hf_tova():
     with torch.no_grad():
         for prompt in ("long", "idle"):
             ids = torch.tensor([tok(REQUESTS[prompt][0]).input_ids])
-            for spec in TOVA + H2O:
+            for spec in TOVA + H2O + LAZY:
                 cache = TrimCache(parse_method_spec(spec).build(), config=model.config, prompt_length=ids.shape[-1])
                 logits, new = model(ids, past_key_values=cache, use_cache=True).logits, []
                 for step in range(TOVA_TOKENS):
@@ -273,11 +275,12 @@ def hf_tova():
     return out
 
 
-@pytest.mark.parametrize("specs", [TOVA, H2O], ids=["tova", "h2o"])
+@pytest.mark.parametrize("specs", [TOVA, H2O, LAZY], ids=["tova", "h2o", "lazy"])
 def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_path, specs):
-    """TOVA and H2O in the engine: the prompt's last queries (TOVA: the last, captured in its last chunk; H2O: all,
-    across chunks) at the prompt's end, then at each decode step the step's query, whose probabilities over the
-    request's stored entries the compaction computes (H2O: accumulated in its state across compactions):
+    """TOVA, H2O and LazyEviction in the engine: the prompt's last queries (TOVA: the last, captured in its last
+    chunk; H2O: all, across chunks; LazyEviction: none) at the prompt's end, then at each decode step the step's
+    query, whose probabilities over the request's stored entries the compaction computes (H2O: accumulated in its
+    state across compactions; LazyEviction: its recurrence state, carried the same way):
     after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
     in transformers, and the greedy tokens are transformers'; a request beside it with another method, or none,
     is unaffected."""

@@ -331,13 +331,16 @@ def test_snapkv_compaction_gets_the_prompts_queries(spec, tail, dtype):
 
 
 @pytest.mark.parametrize("spec", ["tova:budget=40", "tova:budget=100", "tova:compression_ratio=0.5", "h2o:budget=40",
-                                  "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20"])
+                                  "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20",
+                                  "lazyeviction:budget=40:window=8:alpha=0.02", "lazyeviction:budget=100:window=16",
+                                  "lazyeviction:budget=30:window=5:alpha=0.03:gqa=per_query_head"])
 @pytest.mark.parametrize("tail", [0, 3])
 def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
-    """TOVA and H2O in the engine, token by token: the prompt's compaction gets each layer's last prompt queries
-    (TOVA: the last one, H2O: all), every due forward after it the queries of its tokens after the prompt (what
-    the attention tap captures), from which the compaction computes a decode step's probabilities over the
-    layer's stored entries (H2O: accumulated in its state, carried from one compaction to the next). The blocks end up holding, per layer and KV
+    """TOVA, H2O and LazyEviction in the engine, token by token: the prompt's compaction gets each layer's last
+    prompt queries (TOVA: the last one, H2O: all), every due forward after it the queries of its tokens after the
+    prompt (what the attention tap captures), from which the compaction computes a decode step's probabilities
+    over the layer's stored entries (H2O: accumulated in its state, LazyEviction: its recurrence state, carried
+    from one compaction to the next). The blocks end up holding, per layer and KV
     head, what `TrimCache` keeps when kvtrim's attention hands it the same queries and the probabilities that
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
     tokens after its prompt in the prompt's forward (an append)."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtrim import H2O, TOVA, KeyDiff, KNorm, KvtrimError, LagKV, SnapKV, StreamingLLM
+from kvtrim import H2O, TOVA, KeyDiff, KNorm, KvtrimError, LagKV, LazyEviction, SnapKV, StreamingLLM
 from kvtrim.vllm.spec import method_for_vllm
 
 
@@ -26,7 +26,9 @@ def test_decoding_modes_run(text, cls):  # methods that evict while decoding (re
 
 
 @pytest.mark.parametrize("text, cls", [("tova:budget=64", TOVA), ("tova:compression_ratio=0.5", TOVA),
-                                       ("h2o:budget=64", H2O), ("h2o:heavy_budget=8:recent_budget=8", H2O)])
+                                       ("h2o:budget=64", H2O), ("h2o:heavy_budget=8:recent_budget=8", H2O),
+                                       ("lazyeviction:budget=512", LazyEviction),
+                                       ("lazyeviction:budget=64:window=16:gqa=per_query_head", LazyEviction)])
 def test_decode_attention_methods_run(text, cls):  # the prompt's queries, then each due step's probabilities
     assert type(method_for_vllm(text)) is cls
 
@@ -38,7 +40,6 @@ def test_full_evicts_nothing():
 @pytest.mark.parametrize("text, words", [
     ("nope", "unknown method 'nope'"),
     ("snapkv:budget=64", "budget= evicts after every prompt block"),
-    ("lazyeviction:budget=512", "attention probabilities"),
     ("kvzip:compression_ratio=0.5", "scoring passes"),
     ("adakv:method=snapkv:compression_ratio=0.5", "different number of entries per KV head"),
     ("adakv:method=keydiff:compression_ratio=0.5", "different number of entries per KV head"),

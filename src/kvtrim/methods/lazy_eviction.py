@@ -145,6 +145,16 @@ class LazyEviction(EvictionMethod):
     def new_state(self, layer_idx):
         return _LazyState()
 
+    def peak_stored(self, prompt_tokens, total_tokens):
+        # the prompt stays whole; decode step t appends one entry, then evicts back to `budget` when t % window
+        # == 0 and the layer holds more. The first eviction is at the first multiple of the window past the
+        # budget; from then on the layer grows to at most budget + window before each eviction
+        steps = total_tokens - prompt_tokens
+        first = self.window * max(1, (self.budget - prompt_tokens) // self.window + 1)
+        if steps < first:
+            return total_tokens
+        return max(prompt_tokens + first, self.budget + min(self.window, steps - first))
+
     def on_attention(self, view):
         state: _LazyState = view.state
         if view.phase is not Phase.DECODE:  # a prompt block or an append: restart tracking, no eviction

@@ -20,8 +20,11 @@ number of entries that depends on token counts only:
   holds `layers x q_heads x prompt x head_dim` until the prompt's compaction), then each decode step's
   probabilities, computed as TOVA's, accumulated in its per-entry scores, which `RequestEntries.states`
   carries from one compaction to the next (a state that changes every step: every step is due);
-* not: methods with a recurrence over decode steps (LazyEviction), queries elsewhere (SnapKV
-  `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
+* LazyEviction (`budget=`, `window=`): the prompt whole, then each decode step's probabilities, computed as
+  TOVA's, update its recurrence state (TS/MRI per entry and the step counter), which `RequestEntries.states`
+  carries from one compaction to the next (every decode step is due); every `window` steps it evicts back to
+  its budget;
+* not: queries elsewhere (SnapKV `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
 * `full` keeps everything.
@@ -39,8 +42,14 @@ from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.adakv import AdaKV
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
 from kvtrim.methods.h2o import H2O
+from kvtrim.methods.lazy_eviction import LazyEviction
 from kvtrim.methods.tova import TOVA
 from kvtrim.specs import parse_method_spec
+
+
+#: methods fed each due decode step's attention probabilities over the request's stored entries (computed by the
+#: compaction from the step's captured queries, `kvtrim.vllm.compact._hand_over`)
+DECODE_ATTENTION = (TOVA, H2O, LazyEviction)
 
 
 def refusal(method: EvictionMethod) -> str | None:
@@ -54,9 +63,11 @@ def refusal(method: EvictionMethod) -> str | None:
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
     if method.needs_attention:
-        if not isinstance(method, (TOVA, H2O)):
-            return (f"{name} needs attention probabilities with a recurrence over decode steps, which kvtrim's vLLM "
-                    "worker does not hand over yet: TOVA's and H2O's run")
+        if not isinstance(method, DECODE_ATTENTION):
+            return (f"{name} needs attention probabilities in a way kvtrim's vLLM worker does not hand over yet: "
+                    "TOVA's, H2O's and LazyEviction's run")
+        if isinstance(method, LazyEviction):  # an `EvictionMethod` of its own (not a ranking), fed the same hand-over
+            return None
     elif method.needs_queries and not _queries_at_prompt_end_only(method):
         return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
                 "prompt block), which kvtrim's vLLM worker does not hand over yet: compression_ratio= runs")
