@@ -8,7 +8,9 @@ the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf
 
 Prints per method: the planning per forward (µs, mean), the compactions while decoding (how many, median ms
 each) and what both cost per decode step on average (ms): the number to set beside a decode step's time
-(about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request).
+(about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request). A method fed attention
+(TOVA, H2O, LazyEviction) gets random queries (9 query heads), as the worker hands it the captured ones: the
+prompt's at its end (`prompt_queries`), each due forward's after it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import RequestEntries, block_end, compact, plan_forward, prompt_block
 from kvtrim.vllm.layout import write_entries
+from kvtrim.vllm.spec import prompt_queries
 
-LAYERS, KV_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 128, 64, 56, 237, 2000
+LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 9, 128, 64, 56, 237, 2000
 SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
 
 
@@ -34,6 +37,9 @@ def request_cost(spec: str) -> dict:
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
     entries, counts, discarded = RequestEntries(), {}, 0
     fresh = torch.randn(2, PROMPT + OUTPUT, KV_HEADS, HEAD_DIM).bfloat16()  # (k/v, token, head, d)
+    window = prompt_queries(method, PROMPT) if method.needs_queries else 0
+    queries = [torch.randn(Q_HEADS, window, HEAD_DIM).bfloat16() for _ in range(LAYERS)] if window else None
+    scales = [HEAD_DIM ** -0.5] * LAYERS
     block, start, forwards = prompt_block(method), 0, []
     while start < PROMPT:  # the prompt as the scheduler splits it (in blocks for KeyDiff budget=), then decoding
         stop = PROMPT if block is None else block_end(start, PROMPT, block)
@@ -53,7 +59,9 @@ def request_cost(spec: str) -> dict:
                 write_entries(kv, blocks, torch.arange(KV_HEADS), slot.expand(KV_HEADS), *fresh[:, computed])
         t3 = time.perf_counter()
         if due is not None:
-            discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT)
+            last = ([torch.randn(Q_HEADS, end - max(computed, PROMPT), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+                    if method.needs_attention and end > PROMPT else None)
+            discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last)
             if computed >= PROMPT:
                 compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:

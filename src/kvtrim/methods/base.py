@@ -357,10 +357,11 @@ class EvictionMethod:
         return None
 
     def layers_alike(self) -> bool:
-        """True when the method decides every layer by one rule from that layer's own keys, values and
-        positions (each batch row and KV head apart), with a per-layer state that follows token counts only
-        (the same in every layer): no layer is treated apart. kvtrim's vLLM worker then runs a request's
-        layers through it as one batch (one run instead of one per layer; the same decisions)."""
+        """True when the method decides every layer by one rule from that layer's own keys, values, positions
+        and (when it waits for attention) queries and probabilities, each batch row and KV head apart, with a
+        per-layer state that either follows token counts only or is kept per batch row: no layer is treated
+        apart. kvtrim's vLLM worker then runs a request's layers through it as one batch (one run instead of
+        one per layer; the same decisions), each layer a batch row."""
         return False
 
     @classmethod

@@ -175,6 +175,9 @@ class H2O(ScoringMethod):
         # every forward over budget: the prompt (once it has a budget), appends, each decode step
         return Schedule(prefill="block" if self.compression_ratio is None else "end", append=True, decode_slack=1)
 
+    def layers_alike(self):  # each layer from its own attention; state per batch row
+        return True
+
     def new_state(self, layer_idx):
         return _H2OState()
 

@@ -142,6 +142,9 @@ class LazyEviction(EvictionMethod):
         check(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
         check(self.gqa in GQA_MODES, f"gqa must be one of {', '.join(GQA_MODES)}, got '{self.gqa}'")
 
+    def layers_alike(self):  # each layer from its own attention; state per batch row
+        return True
+
     def new_state(self, layer_idx):
         return _LazyState()
 

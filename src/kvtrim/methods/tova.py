@@ -58,6 +58,9 @@ class TOVA(ScoringMethod):
         # every forward over budget (a ratio fixes the budget when the prompt ends)
         return Schedule(prefill="block" if self.budget is not None else "end", append=True, decode_slack=1)
 
+    def layers_alike(self):  # each layer from its own attention; state per batch row
+        return True
+
     def prompt_queries(self):
         return 1  # a deferred prompt end (ratio mode) scores with the prompt's last query
 

@@ -400,13 +400,15 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     request), and only the moved entries are read. When a decode step evicts one entry, from the same slot in
     every KV head (StreamingLLM over its budget), nothing moves: the slot is left as `entries.hole`, and the
     request's next token is written there (`RequestEntries.fill_hole`). A method whose layers are alike
-    (`layers_alike`: KeyDiff, KNorm, LagKV) decides `LAYER_GROUP` layers at a time, as one batch.
+    (`layers_alike`: KeyDiff, KNorm, LagKV, TOVA, H2O, LazyEviction) decides `LAYER_GROUP` layers at a time, as
+    one batch (each layer a batch row; the group's method state is one object, shared by its layers in
+    `entries.states`); any other decides layer by layer.
 
-    A method that needs queries (SnapKV) decides layer by layer, each layer's given with the forward that ends
-    the prompt: `queries` per layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what
-    the worker's attention tap captured) and the layers' softmax `scales` (`_decide`). A method that needs the
-    attention of its decode steps (TOVA, H2O) gets, with a forward after the prompt, `last` per layer `(q_heads,
-    q, head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
+    A method that needs queries (SnapKV, TOVA, H2O) gets, with the forward that ends the prompt, `queries` per
+    layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what the worker's attention tap
+    captured) and the layers' softmax `scales` (`_decide`). A method that needs the attention of its decode
+    steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
+    head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
     probabilities."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
@@ -417,21 +419,22 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     states = entries.states or [None] * n_layers
     forward = old, told, steps, prompt_tokens  # what `_decide` needs of the forward besides the entries
     hole = None
-    per_layer = method.waits_for_attention  # each layer's own queries: never one decision for several layers
-    if not per_layer and method.positions_only and all(p is slot_positions[0] or torch.equal(p, slot_positions[0])
-                                     for p in slot_positions[1:]):
+    if not method.waits_for_attention and method.positions_only and all(
+            p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
         n_keep, positions, state, hole = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
                                                                  states[0], forward)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
-    elif not per_layer and method.layers_alike() and _same(states):
+    elif method.layers_alike() and _groups_share_states(states) and (scales is None or len(set(scales)) == 1):
         new_positions, new_states, kept_counts = [], [], set()
         for first in range(0, n_layers, LAYER_GROUP):  # groups of layers: small temporaries, reused memory
             group = slice(first, first + LAYER_GROUP)
-            n_keep, positions, state = _compact_as_one_batch(method, kv_caches[group], block_ids,
-                                                             slot_positions[group], states[first], forward)
+            n_keep, positions, state = _compact_as_one_batch(
+                method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
+                None if queries is None else queries[group], None if scales is None else scales[first],
+                None if last is None else last[group])
             new_positions += positions
-            new_states += [state] + [copy.deepcopy(state) for _ in positions[1:]]
+            new_states += [state] * len(positions)  # the group's state (batch row i: its layer i), shared
             kept_counts.add(n_keep)
     else:
         new_positions, new_states, kept_counts = [], [], set()
@@ -481,16 +484,22 @@ def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_p
 LAYER_GROUP = 10
 
 
-def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any, forward: tuple):
+def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
+                          forward: tuple, queries: list[torch.Tensor] | None = None, scale: float | None = None,
+                          last: list[torch.Tensor] | None = None):
     """`compact` for a `layers_alike` method on some of a request's layers: their stored entries read, then decided
-    as one batch (one run of the method instead of one per layer), then each layer's moves written. Returns the kept count, the new
-    positions per layer `(h, slots)` and the method's state."""
+    as one batch (one run of the method instead of one per layer; a method fed attention gets each layer's
+    `queries` and `last` as its batch row, with the layers' one softmax `scale`), then each layer's moves
+    written. `state`: the group's, as the last batch left it (None at first). Returns the kept count, the new
+    positions per layer `(h, slots)` and the method's state for the group."""
     n_layers, (h, stored) = len(kv_caches), slot_positions[0].shape
     reads = [read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
     keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
     positions = torch.stack(slot_positions)  # (layers, h, stored)
     cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
-    layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state)
+    layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state,
+                                  None if queries is None else torch.stack(queries), scale,
+                                  None if last is None else torch.stack(last))
     rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
     if rows.numel():
         per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
@@ -503,9 +512,11 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     return n_keep, list(new_positions.unbind(0)), layer.state
 
 
-def _same(states: list[Any]) -> bool:
-    """True when every layer's method state is the same (equal, or all None)."""
-    return all(not _changed(states[0], s) for s in states[1:])
+def _groups_share_states(states: list[Any]) -> bool:
+    """True when the layers of each `LAYER_GROUP` share one state object (or have none): what a batched compaction
+    leaves (`_compact_as_one_batch`), so the next one can run the group as one batch again."""
+    return all(s is states[first] for first in range(0, len(states), LAYER_GROUP)
+               for s in states[first:first + LAYER_GROUP])
 
 
 def _per_tensor(tensors: list[torch.Tensor], f) -> list[torch.Tensor]:
