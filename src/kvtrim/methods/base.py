@@ -274,6 +274,10 @@ class EvictionMethod:
     #: True when the method's decisions read positions and counts only, never keys or values (StreamingLLM):
     #: every layer and KV head then keeps the same positions, and kvtrim's vLLM worker decides once for all
     positions_only: ClassVar[bool] = False
+    #: True when, on a decode step handed its attention probabilities, the method reads no key or value (their
+    #: shapes only): kvtrim's vLLM worker then reads only the keys the probabilities come from and hands the
+    #: method stand-ins (TOVA, H2O, LazyEviction)
+    attention_only_decode: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__

@@ -133,6 +133,7 @@ class H2O(ScoringMethod):
     summary = "accumulated attention (heavy hitters) + recent window, step-wise at decode (H2O); needs kvtrim attention"
     needs_queries = True
     needs_attention = True
+    attention_only_decode = True
     in_place_decode = True
     size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")
 

@@ -127,6 +127,7 @@ class LazyEviction(EvictionMethod):
     name = "lazyeviction"
     summary = "recurrence-interval tracking, evicts every W decode steps (LazyEviction); needs kvtrim attention"
     needs_attention = True
+    attention_only_decode = True
     size_params = ("budget",)
 
     budget: int | None = None

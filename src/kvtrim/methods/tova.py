@@ -51,6 +51,7 @@ class TOVA(ScoringMethod):
     summary = "current query's attention averaged over heads, one set per layer, step-wise (TOVA); needs kvtrim attention"
     needs_queries = True
     needs_attention = True
+    attention_only_decode = True
     in_place_decode = True  # the default `evicted_slot`: the lowest score, ties -> the latest position
     headwise_refusal = "it scores one set of entries shared by all heads (nothing to allocate)"
 

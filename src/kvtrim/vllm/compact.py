@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from kvtrim.attention import attend_with_probabilities
+from kvtrim.attention import attend_with_probabilities, softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
-from kvtrim.vllm.layout import move_entries, read_request, slot_places, write_entries
+from kvtrim.vllm.layout import move_entries, read_request, request_key_logits, slot_places, write_entries
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
 #: compaction failed (req_id -> why, one line): the scheduler ends them with an error
@@ -122,10 +122,23 @@ def forward_steps(computed: int, end: int, prompt_tokens: int, block: int | None
 
 
 def _changed(before: Any, after: Any) -> bool:
+    if before is _UNCOMPARABLE:
+        return True
     try:
         return bool(before != after)
     except Exception:  # noqa: BLE001 - a state that cannot be compared (tensors): treat it as changed
         return True
+
+
+def _comparable(state: Any) -> bool:
+    """False for a state that holds tensors (itself, or among its attributes or items): `_changed` could not
+    compare it."""
+    parts = vars(state).values() if hasattr(state, "__dict__") else state if isinstance(state, (list, tuple)) else [state]
+    return not any(isinstance(p, torch.Tensor) for p in parts)
+
+
+#: a state `_changed` treats as changed whatever it is compared with
+_UNCOMPARABLE = object()
 
 
 @dataclass
@@ -204,7 +217,9 @@ class StoredCounts:
         for phase, ends, q in steps:
             layer = self._layer
             evictions = 0 if layer is None else layer.evictions
-            state = self.cache.method.new_state(0) if layer is None else copy.deepcopy(layer.state)
+            state = self.cache.method.new_state(0) if layer is None else layer.state
+            # a state that cannot be compared counts as changed (`_changed`): no copy to compare it with
+            state = _UNCOMPARABLE if not _comparable(state) else copy.deepcopy(state)
             k, v = torch.randn(2, 1, 1, q, 8, generator=self._gen)
             with self.cache.phase(phase, ends_prompt=ends):
                 full = self.cache.update(k, v, 0)
@@ -324,7 +339,8 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
 
 def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
             slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any,
-            queries: torch.Tensor | None = None, scale: float | None = None, last: torch.Tensor | None = None):
+            queries: torch.Tensor | None = None, scale: float | None = None, last: torch.Tensor | None = None,
+            probs: torch.Tensor | None = None, by_position: torch.Tensor | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
     stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
     (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
@@ -337,11 +353,14 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     `scale`. A method that `needs_attention` (TOVA, H2O) gets `last` `(b, q_heads, q, head_dim)`, the queries of
     the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
-    queries, as kvtrim's attention hands them). Any other step gets None."""
+    queries, as kvtrim's attention hands them). Any other step gets None. `probs` `(b, q_heads, 1, stored)` in
+    position order: a decode step's probabilities computed by the caller (then keys may be None: stand-ins);
+    `by_position`: `slot_positions.argsort(dim=-1)` when the caller has it already."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
-    by_position = slot_positions.argsort(dim=-1)
+    if by_position is None:
+        by_position = slot_positions.argsort(dim=-1)
     sorted_positions = slot_positions.gather(-1, by_position)
     if keys is None:  # a positions-only method: stand-ins, it reads no keys or values
         keys = values = torch.zeros(1, 1, 1, 1).expand(b, h, stored, 1)
@@ -360,27 +379,32 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
         with cache.phase(phase, ends_prompt=ends):
             full = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
-            _hand_over(layer, phase, ends, q, full, queries if ends else None, last, scale)
+            _hand_over(layer, phase, ends, q, full, queries if ends else None, last, scale, probs)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
     pos = layer.positions  # (b, h, n_keep), ascending
+    if pos.shape[-1] == stored:  # nothing evicted
+        return layer, torch.ones(b, h, stored, dtype=torch.bool), stored
     kept_slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
     return layer, torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
 
 
 def _hand_over(layer: TrimLayer, phase: Phase, ends: bool, q: int, full: tuple[torch.Tensor, torch.Tensor],
-               prompt: torch.Tensor | None, step: torch.Tensor | None, scale: float | None) -> None:
+               prompt: torch.Tensor | None, step: torch.Tensor | None, scale: float | None,
+               probs: torch.Tensor | None = None) -> None:
     """Hand a layer that waits for its attention what kvtrim's attention hands it in transformers after a step of
     `q` tokens (`full`: the layer's keys and values after the step's append): with the step that ends the prompt,
     the prompt's last queries `prompt`; with a step after the prompt, its queries `step` (`(b, q_heads, q,
     head_dim)`, methods that need attention) and, for a decode step, the probabilities they attend with; else
-    nothing. The worker's compaction and the scheduler's stand-in both hand over through this one rule."""
+    nothing (a decode step's `probs`, when the caller computed them: those). The worker's compaction and the
+    scheduler's stand-in both hand over through this one rule."""
     if ends:
         layer.after_attention(prompt, None, scale)
     elif phase is not Phase.PREFILL and step is not None:
-        probs = attend_with_probabilities(step, *full, None, scale)[1] if q == 1 else None
-        layer.after_attention(step, probs, scale)
+        if probs is None and q == 1:
+            probs = attend_with_probabilities(step, *full, None, scale)[1]
+        layer.after_attention(step, probs if q == 1 else None, scale)
     else:
         layer.after_attention(None, None, scale)
 
@@ -427,12 +451,20 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states) and (scales is None or len(set(scales)) == 1):
         new_positions, new_states, kept_counts = [], [], set()
+        # a decode step of a method that reads only its probabilities there: keys alone, stand-ins for the method
+        lean = (method.attention_only_decode and last is not None and scales is not None and len(steps) == 1
+                and steps[0][0] is Phase.DECODE)
         for first in range(0, n_layers, LAYER_GROUP):  # groups of layers: small temporaries, reused memory
             group = slice(first, first + LAYER_GROUP)
-            n_keep, positions, state = _compact_as_one_batch(
-                method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
-                None if queries is None else queries[group], None if scales is None else scales[first],
-                None if last is None else last[group])
+            if lean:
+                n_keep, positions, state = _compact_decode_step(method, kv_caches[group], block_ids,
+                                                                slot_positions[group], states[first], forward,
+                                                                last[group], scales[first])
+            else:
+                n_keep, positions, state = _compact_as_one_batch(
+                    method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
+                    None if queries is None else queries[group], None if scales is None else scales[first],
+                    None if last is None else last[group])
             new_positions += positions
             new_states += [state] * len(positions)  # the group's state (batch row i: its layer i), shared
             kept_counts.add(n_keep)
@@ -509,6 +541,38 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
                 heads = r - idx * h
                 write_entries(kv, block_ids, heads, t, keys[idx, heads, f], values[idx, heads, f])
     new_positions = positions.view(n_layers * h, stored).gather(-1, order).view(n_layers, h, n_keep)
+    return n_keep, list(new_positions.unbind(0)), layer.state
+
+
+def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
+                         forward: tuple, last: list[torch.Tensor], scale: float):
+    """`compact` for one decode step of a method that reads only the step's attention probabilities there
+    (`attention_only_decode`: TOVA, H2O, LazyEviction) on a group of layers, as one batch: only the keys are read
+    (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
+    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in
+    position order with stand-in keys and values (`_decide`); only the entries that move are copied, in the
+    pool (`move_entries`). Returns what `_compact_as_one_batch` returns."""
+    n_layers, (h, stored) = len(kv_caches), slot_positions[0].shape
+    query = torch.stack(last).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
+    positions = torch.stack(slot_positions)  # (layers, h, stored)
+    by_position = positions.argsort(dim=-1)
+    # each query head reads its KV head's entries: in position order, that head's own order
+    order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
+    probs = softmax_probabilities(request_key_logits(kv_caches, block_ids, stored, query).gather(-1, order), None, scale)
+    cache = TrimCache(method, in_place_decode=False)
+    layer, kept, n_keep = _decide(cache, 0, None, None, positions, *forward, state, None, scale, query, probs,
+                                  by_position)
+    if n_keep == stored:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
+        return n_keep, list(positions.unbind(0)), layer.state
+    rows, from_slots, to_slots, moved = fill_holes(kept.view(n_layers * h, stored), n_keep)
+    if rows.numel():
+        block_size = kv_caches[0].shape[2]
+        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
+        for idx, (kv, r, f, t) in enumerate(zip(kv_caches, rows.split(per_layer), from_slots.split(per_layer),
+                                                to_slots.split(per_layer))):
+            if r.numel():
+                move_entries(kv, r - idx * h, slot_places(block_ids, f, block_size), slot_places(block_ids, t, block_size))
+    new_positions = positions.view(n_layers * h, stored).gather(-1, moved).view(n_layers, h, n_keep)
     return n_keep, list(new_positions.unbind(0)), layer.state
 
 

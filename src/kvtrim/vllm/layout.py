@@ -52,6 +52,28 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     return keys[:, :n], values[:, :n]
 
 
+def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int, query: torch.Tensor) -> torch.Tensor:
+    """`QK^T` (unscaled, the cache's dtype) of one query per layer over the first `n` stored entries of a request
+    whose blocks are `block_ids`, each layer of `kv_caches` read once as a batch row, with the keys as the kernel
+    stores them (channel-major blocks): only the key halves of the request's blocks are copied, nothing permuted.
+
+    Args:
+        query: `(layers, q_heads, 1, head_dim)`, query head `i` reading KV head `i // (q_heads // kv_heads)`.
+    Returns:
+        `(layers, q_heads, 1, n)`.
+    """
+    nb, h, bs, two_d = kv_caches[0].shape
+    d, used, layers = two_d // 2, -(-n // bs), len(kv_caches)
+    ids = block_ids[:used]
+    keys = torch.empty(layers, used, h, d, bs, dtype=kv_caches[0].dtype)  # (layer, block, head, d, slot)
+    for kv, out in zip(kv_caches, keys):
+        torch.index_select(_halves(kv)[0], 0, ids, out=out)
+    group = query.shape[1] // h
+    q = query.view(layers, 1, h, group, d).expand(layers, used, h, group, d).reshape(-1, group, d)
+    logits = torch.bmm(q, keys.view(-1, d, bs)).view(layers, used, h, group, bs)
+    return logits.permute(0, 2, 3, 1, 4).reshape(layers, h * group, 1, used * bs)[..., :n]
+
+
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store single entries: `keys[i]`, `values[i]` `(m, head_dim)` as KV head `heads[i]`'s entry at the request's
