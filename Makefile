@@ -42,7 +42,7 @@ serve: serve-env
 bench-serving: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results $(ARGS)
 
-LONG_METHODS = keydiff:budget=512,streaming:budget=512,lagkv:keep_ratio=0.125
+LONG_METHODS = lazyeviction:budget=512,keydiff:budget=512,streaming:budget=512,lagkv:keep_ratio=0.125
 bench-serving-long: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-32 --requests 32 \
 		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
