@@ -3,7 +3,7 @@
 the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a
 56-block pool), one thread: the long-generation load's request (a 237-token prompt, then 2,000 decode steps).
 
-    .venv/bin/python benchmarks/serving/compact_cost.py [SPEC ...]
+    .venv/bin/python benchmarks/serving/compact_cost.py [--threads N] [SPEC ...]
     # default: the long-generation load's methods (keydiff:budget=512 streaming:budget=512 lagkv:keep_ratio=0.125)
 
 Prints per method: the planning per forward (µs, mean), the compactions while decoding (how many, median ms
@@ -72,9 +72,13 @@ def request_cost(spec: str) -> dict:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
+    args = sys.argv[1:]
+    threads = 1  # `--threads N`: as many as the server's worker uses (its CPU cores), to see what small ops cost there
+    if args[:1] == ["--threads"]:
+        threads, args = int(args[1]), args[2:]
+    torch.set_num_threads(threads)
     print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18}")
-    for spec in sys.argv[1:] or SPECS:
+    for spec in args or SPECS:
         r = request_cost(spec)
         print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
               f"{r['per_step_ms']:>18.3f}")

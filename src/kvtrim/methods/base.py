@@ -517,9 +517,9 @@ class ScoringMethod(EvictionMethod):
     def peak_stored(self, prompt_tokens: int, total_tokens: int) -> int | None:
         # the base's rule (`target`): the prompt ends at its budget; decoding grows the layer to
         # `budget + decode_slack` before it evicts, or to the end when decoding never evicts. A subclass
-        # that decides when to evict itself (its own `target` / hooks) says nothing; so far neither does one fed
-        # attention (its counts follow the same rule, but only a run with attention could check it):
-        # `counts_by_schedule`.
+        # that decides when to evict itself (its own `target` / hooks) says nothing (`counts_by_schedule`),
+        # unless it says it follows the rule (TOVA, H2O: their counts follow it, fed attention or not; checked
+        # against a run with attention in tests/test_peak_stored.py).
         if not self.counts_by_schedule():
             return None
         return self._scheduled_peak(prompt_tokens, total_tokens)
@@ -533,9 +533,11 @@ class ScoringMethod(EvictionMethod):
         return not self.waits_for_attention and all(getattr(type(self), name) is getattr(ScoringMethod, name)
                                                     for name in own)
 
-    def _scheduled_peak(self, prompt_tokens: int, total_tokens: int) -> int:
-        """`peak_stored` by the base's rule (for subclasses whose hooks end in it)."""
-        budget = self.budget if self.budget is not None else kept_count(prompt_tokens, self.compression_ratio)
+    def _scheduled_peak(self, prompt_tokens: int, total_tokens: int, budget: int | None = None) -> int:
+        """`peak_stored` by the base's rule (for subclasses whose hooks end in it; `budget`: the one their
+        own sizing gives, default the base's)."""
+        if budget is None:
+            budget = self.budget if self.budget is not None else kept_count(prompt_tokens, self.compression_ratio)
         after_prompt = min(prompt_tokens, budget)
         slack = self.schedule().decode_slack
         grown = after_prompt + total_tokens - prompt_tokens

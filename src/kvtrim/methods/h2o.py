@@ -172,6 +172,9 @@ class H2O(ScoringMethod):
     def fixed_budget(self):
         return sum(self.budgets()) if self.compression_ratio is None else None
 
+    def peak_stored(self, prompt_tokens, total_tokens):  # the base's rule on its own budget (heavy + recent)
+        return self._scheduled_peak(prompt_tokens, total_tokens, sum(self.budgets(prompt_tokens)))
+
     def schedule(self):
         # every forward over budget: the prompt (once it has a budget), appends, each decode step
         return Schedule(prefill="block" if self.compression_ratio is None else "end", append=True, decode_slack=1)

@@ -62,6 +62,9 @@ class TOVA(ScoringMethod):
     def layers_alike(self):  # each layer from its own attention; state per batch row
         return True
 
+    def peak_stored(self, prompt_tokens, total_tokens):  # its counts follow the base's rule
+        return self._scheduled_peak(prompt_tokens, total_tokens)
+
     def prompt_queries(self):
         return 1  # a deferred prompt end (ratio mode) scores with the prompt's last query
 

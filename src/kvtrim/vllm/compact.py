@@ -424,7 +424,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     request), and only the moved entries are read. When a decode step evicts one entry, from the same slot in
     every KV head (StreamingLLM over its budget), nothing moves: the slot is left as `entries.hole`, and the
     request's next token is written there (`RequestEntries.fill_hole`). A method whose layers are alike
-    (`layers_alike`: KeyDiff, KNorm, LagKV, TOVA, H2O, LazyEviction) decides `LAYER_GROUP` layers at a time, as
+    (`layers_alike`: KeyDiff, KNorm, LagKV, TOVA, H2O, LazyEviction) decides `_layer_group` layers at a time, as
     one batch (each layer a batch row; the group's method state is one object, shared by its layers in
     `entries.states`); any other decides layer by layer.
 
@@ -449,13 +449,14 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
                                                                  states[0], forward)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
-    elif method.layers_alike() and _groups_share_states(states) and (scales is None or len(set(scales)) == 1):
+    elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
+            scales is None or len(set(scales)) == 1):
         new_positions, new_states, kept_counts = [], [], set()
         # a decode step of a method that reads only its probabilities there: keys alone, stand-ins for the method
         lean = (method.attention_only_decode and last is not None and scales is not None and len(steps) == 1
                 and steps[0][0] is Phase.DECODE)
-        for first in range(0, n_layers, LAYER_GROUP):  # groups of layers: small temporaries, reused memory
-            group = slice(first, first + LAYER_GROUP)
+        for first in range(0, n_layers, size):  # groups of layers: small temporaries, reused memory
+            group = slice(first, first + size)
             if lean:
                 n_keep, positions, state = _compact_decode_step(method, kv_caches[group], block_ids,
                                                                 slot_positions[group], states[first], forward,
@@ -576,11 +577,17 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
     return n_keep, list(new_positions.unbind(0)), layer.state
 
 
-def _groups_share_states(states: list[Any]) -> bool:
-    """True when the layers of each `LAYER_GROUP` share one state object (or have none): what a batched compaction
-    leaves (`_compact_as_one_batch`), so the next one can run the group as one batch again."""
-    return all(s is states[first] for first in range(0, len(states), LAYER_GROUP)
-               for s in states[first:first + LAYER_GROUP])
+def _layer_group(method: EvictionMethod, n_layers: int) -> int:
+    """How many layers a `layers_alike` method decides as one batch: `LAYER_GROUP`, or every layer for a method
+    that reads only its probabilities while decoding (`attention_only_decode`: its decode steps, every step, read
+    keys only, whose temporaries stay small; one run per step instead of one per group)."""
+    return n_layers if method.attention_only_decode else LAYER_GROUP
+
+
+def _groups_share_states(states: list[Any], size: int) -> bool:
+    """True when the layers of each group of `size` share one state object (or have none): what a batched
+    compaction leaves (`_compact_as_one_batch`), so the next one can run the group as one batch again."""
+    return all(s is states[first] for first in range(0, len(states), size) for s in states[first:first + size])
 
 
 def _per_tensor(tensors: list[torch.Tensor], f) -> list[torch.Tensor]:
