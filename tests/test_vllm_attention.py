@@ -3,7 +3,7 @@ layer's impl in an engine started with kvtrim's worker, and the post-RoPE querie
 last window, across vLLM's prefill chunks, are those transformers computes for the prompt in one forward.
 
 Run from .venv-serve (skipped without vLLM). One offline `vllm.LLM` (SmolLM2-135M, float32, eager, a token
-budget of 32 per step so that prompts are cut in chunks) with kvtrim's worker, its scheduler and flags; its
+budget of 32 per step so that prompts are cut in chunks; the last test starts a compiled one) with kvtrim's worker, its scheduler and flags; its
 runner is kvtrim's with one change (tests/data/attention_probe): a request asks for its window in its
 `extra_args` (`probe_window`), and reports what SnapKV requests keep after their prompt's compaction."""
 
@@ -47,6 +47,12 @@ def test_window_rows_are_the_forwards_positions_in_the_window():
 
 @pytest.fixture(scope="module")
 def engine():
+    yield from start_engine(eager=True)
+
+
+def start_engine(eager: bool):
+    """An offline engine with the probe runner (module docstring), eager or compiled (vLLM's default on the CPU:
+    torch.compile of the model, attention left out of the graph as vLLM's custom op)."""
     from transformers import AutoTokenizer
     from vllm import LLM
 
@@ -58,7 +64,7 @@ def engine():
                       PYTHONPATH=os.pathsep.join([PROBE, *filter(None, [os.environ.get("PYTHONPATH")])]))
     sys.path.insert(0, PROBE)
     model_dir = str(resolve_model_dir(MODEL))
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=512, max_num_seqs=4,
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=eager, seed=0, max_model_len=512, max_num_seqs=4,
               max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
               worker_cls="kvtrim_attention_probe.ProbeWorker", scheduler_cls="kvtrim.vllm.scheduler.TrimScheduler",
               additional_config={"kvtrim_method": "full"})
@@ -284,12 +290,18 @@ def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_pat
     after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
     in transformers, and the greedy tokens are transformers'; a request beside it with another method, or none,
     is unaffected."""
-    llm, tok = engine
     a, b = specs
     m = a.split(":")[0]
     runs = [[(f"{m}-alone", "long", a, None)],
             [(f"{m}-long", "long", b, None), (f"{m}-idle", "idle", a, None), (f"{m}-full", "short", "full", None)],
             [(f"{m}-idle-b", "idle", b, None), (f"{m}-snap", "long", SNAPKV[0], None)]]
+    check_decode_runs(engine, hf_tova, tmp_path, runs, specs)
+
+
+def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
+    """Send each run's requests `(name, prompt, spec, _)` together; those whose spec is in `specs` must keep, after
+    their last decode step, the positions transformers keeps (`hf_tova`) and give its greedy tokens."""
+    llm, tok = engine
     for items in runs:
         from vllm import SamplingParams
 
@@ -309,3 +321,16 @@ def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_pat
             differ = (got != kept).any(dim=-1)
             assert not differ.any(), (name, differ.nonzero().tolist())
             assert list(output.token_ids) == tokens, name
+
+
+@pytest.fixture(scope="module")
+def compiled_engine():
+    yield from start_engine(eager=False)
+
+
+def test_decode_attention_under_compiled_mode(compiled_engine, hf_tova, tmp_path):
+    """The hand-off in a compiled engine (vLLM's default; the other tests run eager): TOVA, H2O and LazyEviction
+    requests sent together keep what transformers keeps and give its tokens, SnapKV's beside them too."""
+    runs = [[("c-tova", "long", TOVA[0], None), ("c-h2o", "idle", H2O[1], None), ("c-lazy", "long", LAZY[1], None),
+             ("c-snap", "idle", SNAPKV[0], None)]]
+    check_decode_runs(compiled_engine, hf_tova, tmp_path, runs, [TOVA[0], H2O[1], LAZY[1]])

@@ -97,3 +97,26 @@ def test_serve_hands_method_and_admission_to_vllm(capsys):
     assert main(["serve", "--model", "smollm2-135m", "--admission", "lazy", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--admission: invalid choice: 'lazy'" in err[0]
+
+
+def test_a_method_fed_attention_runs_whatever_its_class():
+    """The engine hands any method that needs attention what kvtrim's attention hands it in transformers (each
+    decode step's probabilities): a subclass of a built-in ranking, or an `EvictionMethod` deciding in
+    `on_attention` (as LazyEviction does), is not refused for its class."""
+    from dataclasses import dataclass
+
+    from kvtrim.methods.base import EvictionMethod
+    from kvtrim.specs import parse_method_spec
+    from kvtrim.vllm.spec import refusal
+
+    @dataclass(kw_only=True)
+    class Recent(EvictionMethod):  # keeps the newest `budget` entries once over, decided from attention's shape
+        name = "recent-test"
+        needs_attention = True
+        budget: int = 8
+
+    class MyTOVA(TOVA):
+        name = "mytova-test"
+
+    assert refusal(Recent()) is None and refusal(MyTOVA(budget=8)) is None
+    assert "scoring passes" in refusal(parse_method_spec("kvzip:compression_ratio=0.5").build())

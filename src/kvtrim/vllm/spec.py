@@ -24,6 +24,9 @@ number of entries that depends on token counts only:
   TOVA's, update its recurrence state (TS/MRI per entry and the step counter), which `RequestEntries.states`
   carries from one compaction to the next (every decode step is due); every `window` steps it evicts back to
   its budget;
+* any other method that `needs_attention` (a registered one too) gets the same hand-over: the prompt's last
+  `prompt_queries()` queries at its end when it `needs_queries`, each due decode step's probabilities, an
+  append's queries;
 * not: queries elsewhere (SnapKV `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
@@ -42,14 +45,7 @@ from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.adakv import AdaKV
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
 from kvtrim.methods.h2o import H2O
-from kvtrim.methods.lazy_eviction import LazyEviction
-from kvtrim.methods.tova import TOVA
 from kvtrim.specs import parse_method_spec
-
-
-#: methods fed each due decode step's attention probabilities over the request's stored entries (computed by the
-#: compaction from the step's captured queries, `kvtrim.vllm.compact._hand_over`)
-DECODE_ATTENTION = (TOVA, H2O, LazyEviction)
 
 
 def refusal(method: EvictionMethod) -> str | None:
@@ -62,11 +58,8 @@ def refusal(method: EvictionMethod) -> str | None:
                 "request, shared by every head) cannot hold")
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
-    if method.needs_attention:
-        if not isinstance(method, DECODE_ATTENTION):
-            return (f"{name} needs attention probabilities in a way kvtrim's vLLM worker does not hand over yet: "
-                    "TOVA's, H2O's and LazyEviction's run")
-        if isinstance(method, LazyEviction):  # an `EvictionMethod` of its own (not a ranking), fed the same hand-over
+    if method.needs_attention:  # handed each decode step's probabilities (and appends' queries) as in transformers
+        if not isinstance(method, ScoringMethod):  # an `EvictionMethod` deciding in `on_attention` (LazyEviction)
             return None
     elif method.needs_queries and not _queries_at_prompt_end_only(method):
         return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
