@@ -65,44 +65,25 @@ def attend_with_probabilities(
         `(output (batch, q_len, q_heads, head_dim), probs (batch, q_heads, q_len, n))` where
         `output == probs @ V` exactly (`probs` in the query dtype, softmax computed in float32).
     """
-    b, h, q, _ = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    probs = attention_probabilities(query, key.transpose(2, 3), attention_mask, scaling, softcap)
-    out = torch.bmm(probs.view(b * hkv, h // hkv * q, n), value.reshape(b * hkv, n, value.shape[-1]))
-    out = out.view(b, h, q, value.shape[-1])
-    return out.transpose(1, 2).contiguous(), probs
-
-
-def attention_probabilities(
-    query: torch.Tensor,
-    key_t: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The probabilities of `attend_with_probabilities` alone (the one rule for both).
-
-    Args:
-        query: `(batch, q_heads, q_len, head_dim)`; key_t: the keys transposed, `(batch, kv_heads, head_dim,
-            n)` (a transposed view of `(batch, kv_heads, n, head_dim)` keys, or keys stored channel-major, as
-            vLLM's CPU kernel stores them); attention_mask: as `attend_with_probabilities`'.
-    Returns:
-        `(batch, q_heads, q_len, n)` in the query dtype, the softmax computed in float32.
-    """
     b, h, q, d = query.shape
-    hkv, n = key_t.shape[1], key_t.shape[3]
+    hkv, n = key.shape[1], key.shape[2]
+    group = h // hkv
     # (b * hkv, group * q, d): each KV head's query heads side by side, no K/V copy. `bmm` on the
     # (batch * kv_heads) matrices gives matmul's bits on the 4-D tensors with less dispatch, and the scale
     # is applied in place: this runs at every decode step of every layer (H2O, TOVA, LazyEviction)
-    logits = torch.bmm(query.reshape(b * hkv, h // hkv * q, d), key_t.reshape(b * hkv, d, n)).view(b, h, q, n)
-    return softmax_probabilities(logits, attention_mask, scaling, softcap)
+    logits = torch.bmm(query.reshape(b * hkv, group * q, d), key.reshape(b * hkv, n, d).transpose(1, 2))
+    probs = softmax_probabilities(logits.view(b, h, q, n), attention_mask, scaling, softcap)
+    out = torch.bmm(probs.view(b * hkv, group * q, n), value.reshape(b * hkv, n, value.shape[-1]))
+    out = out.view(b, h, q, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), probs
 
 
 def softmax_probabilities(
     logits: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
     """`(batch, q_heads, q_len, n)` unscaled `QK^T` in the query dtype -> kvtrim's attention probabilities (scaled
-    in place, soft-capped, masked, softmax in float32, back to the query dtype)."""
+    in place, soft-capped, masked, softmax in float32, back to the query dtype): the one rule for
+    `attend_with_probabilities` and kvtrim's vLLM worker, which computes the product from its key blocks."""
     dtype = logits.dtype
     logits = logits.mul_(scaling)
     if softcap is not None:
