@@ -350,7 +350,7 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     A method that waits for its attention (`needs_queries`: SnapKV) gets it after each step as kvtrim's
     attention hands it over in transformers (`TrimLayer.after_attention`): `queries` `(b, q_heads, W,
     head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt, and the layer's softmax
-    `scale`. A method that `needs_attention` (TOVA, H2O) gets `last` `(b, q_heads, q, head_dim)`, the queries of
+    `scale`. A method that `needs_attention` (TOVA, H2O, LazyEviction) gets `last` `(b, q_heads, q, head_dim)`, the queries of
     the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
     queries, as kvtrim's attention hands them). Any other step gets None. `probs` `(b, q_heads, 1, stored)` in
@@ -525,7 +525,7 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     `queries` and `last` as its batch row, with the layers' one softmax `scale`), then each layer's moves
     written. `state`: the group's, as the last batch left it (None at first). Returns the kept count, the new
     positions per layer `(h, slots)` and the method's state for the group."""
-    n_layers, (h, stored) = len(kv_caches), slot_positions[0].shape
+    stored = slot_positions[0].shape[-1]
     reads = [read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
     keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
     positions = torch.stack(slot_positions)  # (layers, h, stored)
@@ -533,16 +533,26 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state,
                                   None if queries is None else torch.stack(queries), scale,
                                   None if last is None else torch.stack(last))
+    moves, order = _fill_layers_holes(kept, n_keep)
+    for idx, heads, from_slots, to_slots in moves:
+        write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
+                      values[idx, heads, from_slots])
+    return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
+
+
+def _fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], torch.Tensor]:
+    """`fill_holes` for a batch of layers `kept` `(layers, kv_heads, stored)`: each layer's moves `(layer, heads,
+    from_slots, to_slots)` (layers with none left out) and `order` `(layers, kv_heads, n_keep)`."""
+    n_layers, h, stored = kept.shape
     rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
+    moves = []
     if rows.numel():
         per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
-        for idx, (kv, r, f, t) in enumerate(zip(kv_caches, rows.split(per_layer), from_slots.split(per_layer),
-                                                to_slots.split(per_layer))):
+        for idx, (r, f, t) in enumerate(zip(rows.split(per_layer), from_slots.split(per_layer),
+                                            to_slots.split(per_layer))):
             if r.numel():
-                heads = r - idx * h
-                write_entries(kv, block_ids, heads, t, keys[idx, heads, f], values[idx, heads, f])
-    new_positions = positions.view(n_layers * h, stored).gather(-1, order).view(n_layers, h, n_keep)
-    return n_keep, list(new_positions.unbind(0)), layer.state
+                moves.append((idx, r - idx * h, f, t))
+    return moves, order.view(n_layers, h, n_keep)
 
 
 def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
@@ -553,7 +563,7 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
     head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in
     position order with stand-in keys and values (`_decide`); only the entries that move are copied, in the
     pool (`move_entries`). Returns what `_compact_as_one_batch` returns."""
-    n_layers, (h, stored) = len(kv_caches), slot_positions[0].shape
+    h, stored = slot_positions[0].shape
     query = torch.stack(last).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
     positions = torch.stack(slot_positions)  # (layers, h, stored)
     by_position = positions.argsort(dim=-1)
@@ -565,16 +575,12 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
                                   by_position)
     if n_keep == stored:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return n_keep, list(positions.unbind(0)), layer.state
-    rows, from_slots, to_slots, moved = fill_holes(kept.view(n_layers * h, stored), n_keep)
-    if rows.numel():
-        block_size = kv_caches[0].shape[2]
-        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
-        for idx, (kv, r, f, t) in enumerate(zip(kv_caches, rows.split(per_layer), from_slots.split(per_layer),
-                                                to_slots.split(per_layer))):
-            if r.numel():
-                move_entries(kv, r - idx * h, slot_places(block_ids, f, block_size), slot_places(block_ids, t, block_size))
-    new_positions = positions.view(n_layers * h, stored).gather(-1, moved).view(n_layers, h, n_keep)
-    return n_keep, list(new_positions.unbind(0)), layer.state
+    moves, order = _fill_layers_holes(kept, n_keep)
+    block_size = kv_caches[0].shape[2]
+    for idx, heads, from_slots, to_slots in moves:
+        move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
+                     slot_places(block_ids, to_slots, block_size))
+    return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 
 def _layer_group(method: EvictionMethod, n_layers: int) -> int:
