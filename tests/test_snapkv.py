@@ -79,6 +79,24 @@ def test_chunked_prefill_is_blockwise_snapkv(tiny):
     assert layer.peak == 24 + 30
 
 
+def test_block_size_reads_the_prompt_in_blocks(tiny):
+    """`block_size=` is the block `kvtrim.prefill` reads the prompt in by default: what a chunked prefill of the
+    plain budget mode keeps, with the peak at `budget + block_size`."""
+    model = kvtrim.enable(tiny)
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    blocks = kvtrim.TrimCache(kvtrim.SnapKV(window=4, budget=24, block_size=30), config=model.config)
+    chunked = kvtrim.TrimCache(kvtrim.SnapKV(window=4, budget=24), config=model.config)
+    one_shot = kvtrim.TrimCache(kvtrim.SnapKV(window=4, budget=24), config=model.config)
+    with torch.no_grad():
+        kvtrim.prefill(model, ids, blocks)
+        kvtrim.prefill(model, ids, chunked, chunk_size=30)
+        kvtrim.prefill(model, ids, one_shot)
+    for a, b, c in zip(blocks.layers, chunked.layers, one_shot.layers):
+        assert a.evictions == 3 and a.peak == 24 + 30 and torch.equal(a.positions, b.positions)
+        assert c.evictions == 1 and c.peak == 90
+    assert any(not torch.equal(a.positions, c.positions) for a, c in zip(blocks.layers, one_shot.layers))
+
+
 def test_validation_errors_are_one_line():
     for kwargs, text in [
         ({}, "exactly one of budget"),
@@ -87,6 +105,8 @@ def test_validation_errors_are_one_line():
         ({"budget": 64, "kernel": 4}, "odd"),
         ({"budget": 64, "pooling": "mean"}, "pooling"),
         ({"compression_ratio": 1.0}, "compression_ratio"),
+        ({"compression_ratio": 0.5, "block_size": 16}, "block_size= needs budget="),
+        ({"budget": 64, "block_size": 0}, "block_size must be >= 1"),
     ]:
         with pytest.raises(kvtrim.KvtrimError, match=text) as err:
             kvtrim.SnapKV(**kwargs)

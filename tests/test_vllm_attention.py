@@ -165,6 +165,8 @@ def test_a_request_that_asks_for_nothing_leaves_the_tap_idle(engine, tmp_path):
 
 #: SnapKV in the engine: a window shorter than what it keeps, so that its scores choose (max and avg pooling)
 SNAPKV = ["snapkv:compression_ratio=0.5:window=8", "snapkv:compression_ratio=0.6:window=12:kernel=3:pooling=avg"]
+#: SnapKV `budget=`: the prompt in one block, and in blocks of 12 (each block's last 6 queries; "long" in 5 blocks)
+SNAPKV_BUDGET = ["snapkv:budget=20:window=8", "snapkv:budget=16:window=6:block_size=12:kernel=3:pooling=avg"]
 SNAP_TOKENS = 8
 
 
@@ -181,11 +183,11 @@ def generate_snapkv(llm, tok, items):
 
 @pytest.fixture(scope="module")
 def hf_snapkv():
-    """(prompt, spec) -> transformers' SnapKV on the prompt (kvtrim's attention, float32, the prompt in one
-    forward): the positions kept after the prompt's end per layer and KV head `(layers, kv_heads, n_keep)`, and
-    the greedy tokens."""
+    """(prompt, spec) -> transformers' SnapKV on the prompt (kvtrim's attention, float32, the prompt as
+    `kvtrim.prefill` feeds it: in one forward, or in the method's blocks, the last ending it): the positions kept
+    after the prompt's end per layer and KV head `(layers, kv_heads, n_keep)`, and the greedy tokens."""
     from kvtrim import TrimCache, load_model
-    from kvtrim.methods.base import kept_count
+    from kvtrim.methods.base import Phase, kept_count
     from kvtrim.specs import parse_method_spec
 
     model, tok = load_model(MODEL, dtype="float32")  # kvtrim's attention
@@ -193,15 +195,20 @@ def hf_snapkv():
     with torch.no_grad():
         for prompt in ("long", "idle"):
             ids = torch.tensor([tok(REQUESTS[prompt][0]).input_ids])
-            for spec in SNAPKV:
+            for spec in SNAPKV + SNAPKV_BUDGET:
                 method = parse_method_spec(spec).build()
                 # `kvtrim.generate`'s cache, greedy by hand (this transformers' generate takes no `cache=`)
-                cache = TrimCache(method, config=model.config, prompt_length=ids.shape[-1])
-                logits, new = model(ids, past_key_values=cache, use_cache=True).logits, []
+                cache, n = TrimCache(method, config=model.config), ids.shape[-1]
+                block = method.prefill_block_size() or n
+                for s in range(0, n, block):  # `kvtrim.prefill` by hand (this transformers' forward takes no `cache=`)
+                    with cache.phase(Phase.PREFILL, ends_prompt=s + block >= n):
+                        logits = model(ids[:, s:s + block], past_key_values=cache, use_cache=True,
+                                       position_ids=torch.arange(s, min(n, s + block))[None]).logits
+                new = []
                 for _ in range(SNAP_TOKENS):
                     new.append(int(logits[0, -1].argmax()))
                     logits = model(torch.tensor([new[-1:]]), past_key_values=cache, use_cache=True).logits
-                n_keep = kept_count(ids.shape[-1], method.compression_ratio)
+                n_keep = method.budget or kept_count(ids.shape[-1], method.compression_ratio)
                 kept = torch.stack([layer.kept_positions()[0].sort(dim=-1).values[:, :n_keep]
                                     for layer in cache.layers])
                 assert kept.shape[-1] == n_keep < ids.shape[-1] and int(kept.max()) < ids.shape[-1]
@@ -209,13 +216,14 @@ def hf_snapkv():
     return out
 
 
-def test_snapkv_keeps_what_transformers_keeps(engine, hf_snapkv, tmp_path):
-    """SnapKV `compression_ratio=` in the engine: the prompt's last `window` queries, captured across vLLM's
-    chunks (BUDGET tokens a step: "long" alone in 3 forwards, then with others in different cuts), reach the
-    method at the prompt's end; the positions its blocks keep, per layer and KV head, are those `TrimCache`
-    keeps in transformers on the one-shot prompt, and the greedy tokens are transformers'."""
+@pytest.mark.parametrize("specs", [SNAPKV, SNAPKV_BUDGET], ids=["ratio", "budget"])
+def test_snapkv_keeps_what_transformers_keeps(engine, hf_snapkv, tmp_path, specs):
+    """SnapKV in the engine: the prompt's last `window` queries (each block's, for `block_size=`), captured
+    across vLLM's chunks (BUDGET tokens a step: "long" alone in 3 forwards, then with others in different cuts),
+    reach the method at the prompt's (block's) end; the positions its blocks keep, per layer and KV head, are
+    those `TrimCache` keeps in transformers (`kvtrim.prefill`), and the greedy tokens are transformers'."""
     llm, tok = engine
-    a, b = SNAPKV
+    a, b = specs
     runs = [[("alone", "long", a, None)],
             [("with-long", "long", a, None), ("with-idle", "idle", b, None), ("with-full", "short", "full", None)],
             [("idle-a", "idle", a, None), ("long-b", "long", b, None)]]
@@ -231,7 +239,8 @@ def test_snapkv_keeps_what_transformers_keeps(engine, hf_snapkv, tmp_path):
             differ = (r["kept"][name] != kept).any(dim=-1)
             assert not differ.any(), (name, differ.nonzero().tolist())
             assert list(output.token_ids) == tokens, name
-            assert name not in r["windows"]  # the window went with the compaction
+            if "block_size" not in spec:  # (a block that evicts nothing leaves its window to the next block's start)
+                assert name not in r["windows"]  # the window went with the compaction
     assert len(r["plans"]["with-long"]) >= 1 and len(r["plans"]["alone"]) >= 1
 
 

@@ -201,6 +201,41 @@ def test_snapkv_counts_are_the_real_methods(spec, prompt, total, chunk):
     assert due == (layer.evictions > 0) and again.held == layer.stored and again.discarded == layer.seen - layer.stored
 
 
+@pytest.mark.parametrize("spec", ["snapkv:budget=40:window=8:block_size=16", "snapkv:budget=20:window=12:block_size=7",
+                                  "snapkv:budget=40:window=8", "snapkv:budget=200"])
+@pytest.mark.parametrize("prompt,total,chunk", [(100, 160, 1000), (100, 160, 5), (30, 80, 7), (3, 20, 8)])
+def test_snapkv_budget_counts_are_the_real_methods(spec, prompt, total, chunk):
+    """SnapKV `budget=` (with `block_size=`: its prompt in blocks) on stand-in keys and queries: forward by forward
+    the same due forwards and counts as the method on a model's shapes fed as `kvtrim.prefill` feeds it (each
+    block one prompt forward, its queries handed over by kvtrim's attention, then one token a step), however vLLM
+    chunks the blocks; the prompt's peak is the simulated one."""
+    method = parse_method_spec(spec).build()
+    block = prompt_block(method)
+    gen = torch.Generator().manual_seed(2)
+    counts, cache, evictions, told, peak = StoredCounts(method), TrimCache(method), 0, 0, 0
+    assert not counts.by_count and not counts.by_length
+    for start, end in (block_forwards(prompt, total, block, chunk) if block else forwards(prompt, total, chunk)):
+        steps = forward_steps(start, end, prompt, block)
+        due = counts.advance(steps)
+        for phase, ends, q in steps:
+            if phase is Phase.PREFILL:
+                peak = max(peak, (cache.layers[0].stored if cache.layers else 0) + q)
+            k, v = torch.randn(2, 1, 3, q, 16, generator=gen)
+            with cache.phase(phase, ends_prompt=ends):
+                cache.update(k, v, 0)
+            cache.layers[0].after_attention(torch.randn(1, 9, q, 16, generator=gen), None, None)
+            told += q
+        if not steps:
+            assert not due
+            continue
+        layer = cache.layers[0]
+        assert due == (layer.evictions != evictions), (start, end)
+        evictions = layer.evictions
+        assert counts.held == layer.stored and counts.discarded == layer.seen - layer.stored, (start, end)
+    assert told == total and cache.layers[0].stored == min(prompt, method.budget) + total - prompt
+    assert prompt_peak(method, prompt) == peak
+
+
 @pytest.mark.parametrize("spec", ["tova:budget=40", "tova:compression_ratio=0.5", "tova:budget=200", "h2o:budget=40",
                                   "h2o:compression_ratio=0.5", "h2o:heavy_budget=5:recent_budget=10", "h2o:budget=200",
                                   "lazyeviction:budget=40:window=8", "lazyeviction:budget=30:window=7:gqa=per_query_head",

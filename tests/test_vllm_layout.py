@@ -330,6 +330,59 @@ def test_snapkv_compaction_gets_the_prompts_queries(spec, tail, dtype):
     assert any(not torch.equal(e, expected[0]) for e in expected[1:])  # each layer's own queries decided it
 
 
+@pytest.mark.parametrize("spec", ["snapkv:budget=30:window=8:block_size=24",
+                                  "snapkv:budget=40:window=16:block_size=10:kernel=3:pooling=avg"])
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_snapkv_prompt_blocks_get_each_blocks_queries(spec, chunk, dtype):
+    """Block-wise SnapKV in the engine (vLLM's chunks cut at the block ends): each completed block's compaction
+    gets each layer's last `min(window, block)` queries of that block (what the attention tap captures); the
+    blocks hold what `TrimCache` keeps when `kvtrim.prefill` feeds the same keys in blocks and kvtrim's attention
+    hands it each block's queries (all of them), then one token at a time."""
+    method = method_for_vllm(spec)
+    block, window, scale = method.prefill_block_size(), method.prompt_queries(), 0.125
+    prompt, new, n_layers = 4 * BS + 9, 12, 2
+    total = prompt + new
+    blocks = torch.tensor([9, 4, 11, 0, 7, 2, 5, 1])
+    torch.manual_seed(8)
+    originals = [(torch.randn(H, total, D).to(dtype), torch.randn(H, total, D).to(dtype)) for _ in range(n_layers)]
+    queries = [torch.randn(3 * H, total, D).to(dtype) for _ in range(n_layers)]
+    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
+    forwards, start = [], 0
+    while start < prompt:
+        forwards.append((start, min(start + chunk, block_end(start, prompt, block))))
+        start = forwards[-1][1]
+    forwards += [(t, t + 1) for t in range(prompt, total)]
+    counts, entries, gone, compactions = StoredCounts(method), RequestEntries(), 0, 0
+    for start, end in forwards:
+        slots = request_slots(blocks, end - gone)[start - gone:]
+        for cache, (k, v) in zip(caches, originals):
+            kernel_write(cache, k[:, start:end].transpose(0, 1).contiguous(), v[:, start:end].transpose(0, 1).contiguous(),
+                         slots)
+        steps = forward_steps(start, end, prompt, block)
+        if steps and counts.advance(steps):
+            w = min(window, steps[0][2])
+            gone = compact(caches, blocks, method, entries, steps, end, prompt, [q[:, end - w:end] for q in queries],
+                           [scale] * n_layers)
+            assert gone == counts.discarded
+            compactions += 1
+    reference = []
+    for idx, ((k, v), q) in enumerate(zip(originals, queries)):
+        cache = TrimCache(method)
+        for s in range(0, prompt, block):
+            n = min(block, prompt - s)
+            with cache.phase(Phase.PREFILL, ends_prompt=s + n == prompt):
+                cache.update(k[None, :, s:s + n].clone(), v[None, :, s:s + n].clone(), idx)
+            cache.layers[idx].after_attention(q[None, :, s:s + n], None, scale)
+        for t in range(prompt, total):
+            cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
+            if cache.layers[idx].awaiting_attention:
+                cache.layers[idx].after_attention(q[None, :, t:t + 1], None, scale)
+        reference.append(cache.layers[idx].kept_positions()[0])
+    assert compactions >= 3 and gone == total - reference[0].shape[-1]
+    assert_holds(caches, blocks, originals, reference, entries)
+    assert any(not torch.equal(e, reference[0]) for e in reference[1:])  # each layer's own queries decided it
+
+
 @pytest.mark.parametrize("spec", ["tova:budget=40", "tova:budget=100", "tova:compression_ratio=0.5", "h2o:budget=40",
                                   "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20",
                                   "lazyeviction:budget=40:window=8:alpha=0.02", "lazyeviction:budget=100:window=16",

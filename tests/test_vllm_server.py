@@ -77,7 +77,7 @@ def test_the_attention_hand_off_is_in_every_layer(server):
     assert "kvtrim: attention hand-off on 30 layers" in server.tail(100000)
 
 
-@pytest.mark.parametrize("spec", ["nope", "kvzip:compression_ratio=0.5", "keydiff:compression_ratio=2", "snapkv:budget=64",
+@pytest.mark.parametrize("spec", ["nope", "kvzip:compression_ratio=0.5", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5:block_size=64",
                                   "lagkv:compression_ratio=0.5:skip_layers=0", ["lagkv"]])
 def test_bad_spec_is_400_and_the_server_goes_on(server, spec):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -213,7 +213,8 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     specs = ["full", "lagkv:compression_ratio=0.5:lag_size=32", "keydiff:compression_ratio=0.75",
              "streaming:compression_ratio=0.5", "knorm:compression_ratio=0.5", "lagkv:compression_ratio=0.75:lag_size=16",
              "keydiff:budget=48:block_size=16", "lagkv:lag_size=8:sink_size=4", "streaming:budget=40",
-             "lazyeviction:budget=40:window=4", "kvzip:compression_ratio=0.5"]  # the last one: refused (scoring passes)
+             "lazyeviction:budget=40:window=4", "snapkv:budget=32:window=8:block_size=16",
+             "kvzip:compression_ratio=0.5"]  # the last one: refused (scoring passes)
     decoding = {"keydiff:budget=48:block_size=16", "lagkv:lag_size=8:sink_size=4", "streaming:budget=40",
                 "lazyeviction:budget=40:window=4"}
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)

@@ -16,6 +16,12 @@ def test_ratio_modes_run(text, cls):
     assert type(method) is cls and method.compression_ratio is not None
 
 
+@pytest.mark.parametrize("text, block", [("snapkv:budget=64", None), ("snapkv:budget=64:window=16:block_size=128", 128)])
+def test_snapkv_budget_runs(text, block):  # queries at each prompt block's end (the prompt is one block without block_size)
+    method = method_for_vllm(text)
+    assert type(method) is SnapKV and method.budget == 64 and method.prefill_block_size() == block
+
+
 @pytest.mark.parametrize("text, cls", [
     ("lagkv", LagKV), ("lagkv:keep_ratio=0.25:lag_size=64", LagKV), ("keydiff:budget=64", KeyDiff),
     ("streaming:budget=64", StreamingLLM), ("knorm:budget=64", KNorm),
@@ -39,7 +45,7 @@ def test_full_evicts_nothing():
 
 @pytest.mark.parametrize("text, words", [
     ("nope", "unknown method 'nope'"),
-    ("snapkv:budget=64", "budget= evicts after every prompt block"),
+    ("snapkv:compression_ratio=0.5:block_size=64", "block_size= needs budget="),
     ("kvzip:compression_ratio=0.5", "scoring passes"),
     ("adakv:method=snapkv:compression_ratio=0.5", "different number of entries per KV head"),
     ("adakv:method=keydiff:compression_ratio=0.5", "different number of entries per KV head"),
@@ -120,3 +126,17 @@ def test_a_method_fed_attention_runs_whatever_its_class():
 
     assert refusal(Recent()) is None and refusal(MyTOVA(budget=8)) is None
     assert "scoring passes" in refusal(parse_method_spec("kvzip:compression_ratio=0.5").build())
+
+
+def test_queries_after_the_prompt_are_refused():
+    """A ranking method that reads queries (not attention) at decode steps: the worker hands queries after the
+    prompt only to methods that need attention."""
+    from kvtrim.methods.base import Schedule
+    from kvtrim.vllm.spec import refusal
+
+    class DecodingSnapKV(SnapKV):
+        def schedule(self):
+            return Schedule(prefill="block", decode_slack=8)
+
+    why = refusal(DecodingSnapKV(budget=64))
+    assert "queries at appends or decode steps" in why and "\n" not in why

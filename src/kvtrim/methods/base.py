@@ -518,7 +518,7 @@ class ScoringMethod(EvictionMethod):
         # the base's rule (`target`): the prompt ends at its budget; decoding grows the layer to
         # `budget + decode_slack` before it evicts, or to the end when decoding never evicts. A subclass
         # that decides when to evict itself (its own `target` / hooks) says nothing (`counts_by_schedule`),
-        # unless it says it follows the rule (TOVA, H2O: their counts follow it, fed attention or not; checked
+        # unless it says it follows the rule (SnapKV, TOVA, H2O: their counts follow it, fed attention or not; checked
         # against a run with attention in tests/test_peak_stored.py).
         if not self.counts_by_schedule():
             return None

@@ -20,7 +20,10 @@ Deviations and choices (documented):
 * Ties (frequent after max pooling) go to the earlier entry; the official `topk` breaks them arbitrarily.
 * Budget mode acts after *every* prompt block whose cache exceeds the budget, so a chunked prefill
   (`generate(..., prefill_chunk_size=)`) becomes block-wise SnapKV (each chunk's last queries score the
-  retained cache plus the chunk); with a one-shot prefill this is exactly the paper's rule. Appends
+  retained cache plus the chunk); with a one-shot prefill this is exactly the paper's rule. `block_size=`
+  names that block (an extension, not the paper's): `kvtrim.prefill`, `kvtrim.generate` and the vLLM
+  engine read the prompt in blocks of it, so a layer never holds more than `budget + block_size` entries
+  while the prompt is read. Appends
   after the prompt (a question, a new turn) and decode steps never evict. (Before the phase contract a
   multi-token question forward also re-selected with the question's queries, which let the question
   into a query-agnostic protocol; it no longer does.)
@@ -34,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim.methods.attention_scores import causal_attention
-from kvtrim.methods.base import ScoringMethod, check, span, top_indices
+from kvtrim.methods.base import Schedule, ScoringMethod, check, span, top_indices
 
 
 # ---- pure tensor functions ----------------------------------------------------------------------
@@ -84,6 +87,8 @@ class SnapKV(ScoringMethod):
         kernel: pooling kernel, odd, >= 1 (1 = no pooling).
         pooling: "max" or "avg".
         budget: entries kept per KV head per layer after the prompt (>= window).
+        block_size: with `budget=`, the prompt block (default None: the prompt in one forward, the paper's
+            rule); each block's last `window` queries score what the earlier blocks kept plus the block.
         compression_ratio: alternatively, the fraction of the prompt removed, in [0, 1).
     """
 
@@ -94,6 +99,7 @@ class SnapKV(ScoringMethod):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    block_size: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +108,16 @@ class SnapKV(ScoringMethod):
         check(self.pooling in ("max", "avg"), f"pooling must be 'max' or 'avg', got '{self.pooling}'")
         if self.budget is not None:
             check(self.budget >= self.window, f"budget ({self.budget}) must be >= window ({self.window})")
+        if self.block_size is not None:
+            check(self.budget is not None, "SnapKV: block_size= needs budget= (a ratio's budget is known only when "
+                                           "the prompt ends)")
+            check(self.block_size >= 1, f"SnapKV: block_size must be >= 1, got {self.block_size}")
+
+    def schedule(self):
+        return Schedule(prefill="block", block_size=self.block_size) if self.budget is not None else Schedule()
+
+    def peak_stored(self, prompt_tokens, total_tokens):  # its counts follow the base's rule (fed queries or not)
+        return self._scheduled_peak(prompt_tokens, total_tokens)
 
     def prompt_queries(self):
         return self.window

@@ -5,8 +5,8 @@ Each forward of a request is told to the method as `model.generate(..., cache=Tr
 it: in the engine the prompt is one block); the forward that completes the prompt is one prompt forward
 that ends it (`Phase.PREFILL, ends_prompt=True`, as the one-shot prefill); tokens after the prompt in that
 forward (a recomputed request's generated tokens) and every later forward are an append (several tokens)
-or a decode step (one). A method with a prefill block (`prompt_block`: KeyDiff `budget=`) reads its prompt
-in blocks instead, as `kvtrim.prefill` does: the scheduler never lets a forward cross a block's end
+or a decode step (one). A method with a prefill block (`prompt_block`: KeyDiff `budget=`, SnapKV
+`budget=:block_size=`) reads its prompt in blocks instead, as `kvtrim.prefill` does: the scheduler never lets a forward cross a block's end
 (`block_end`), and the forward that completes a block tells the method the whole block (a prompt forward,
 ending the prompt on the last one), which evicts after it; later forwards attend to what it kept. Attend,
 then evict: vLLM attended to everything before the compaction runs.
@@ -226,12 +226,13 @@ class StoredCounts:
             layer = self._layer
             if layer.awaiting_attention:  # stand-in queries, handed over as the worker's compaction hands them
                 step = torch.randn(1, 1, q, 8, generator=self._gen) if self.method.needs_attention else None
-                _hand_over(layer, phase, ends, q, full, self._queries(q) if ends else None, step, 8 ** -0.5)
+                prompt = self._queries(q) if phase is Phase.PREFILL else None
+                _hand_over(layer, phase, q, full, prompt, step, 8 ** -0.5)
             due = due or layer.evictions != evictions or _changed(state, layer.state)
         return due
 
     def _queries(self, q: int) -> torch.Tensor:
-        """Stand-in queries `(1, 1, W, 8)` of a prompt-ending step of `q` tokens: its last `prompt_queries()`
+        """Stand-in queries `(1, 1, W, 8)` of a prompt block's step of `q` tokens: its last `prompt_queries()`
         positions (what the worker hands over, `kvtrim_prompt_queries`)."""
         return torch.randn(1, 1, min(q, self.method.prompt_queries() or q), 8, generator=self._gen)
 
@@ -349,8 +350,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
 
     A method that waits for its attention (`needs_queries`: SnapKV) gets it after each step as kvtrim's
     attention hands it over in transformers (`TrimLayer.after_attention`): `queries` `(b, q_heads, W,
-    head_dim)`, the prompt's last post-RoPE queries, with the step that ends the prompt, and the layer's softmax
-    `scale`. A method that `needs_attention` (TOVA, H2O, LazyEviction) gets `last` `(b, q_heads, q, head_dim)`, the queries of
+    head_dim)`, the prompt block's last post-RoPE queries, with the step that ends the block (the prompt's, for
+    a method that reads it in one), and the layer's softmax `scale`. A method that `needs_attention` (TOVA, H2O, LazyEviction) gets `last` `(b, q_heads, q, head_dim)`, the queries of
     the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
     queries, as kvtrim's attention hands them). Any other step gets None. `probs` `(b, q_heads, 1, stored)` in
@@ -379,7 +380,7 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
         with cache.phase(phase, ends_prompt=ends):
             full = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
-            _hand_over(layer, phase, ends, q, full, queries if ends else None, last, scale, probs)
+            _hand_over(layer, phase, q, full, queries if phase is Phase.PREFILL else None, last, scale, probs)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
@@ -390,18 +391,18 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     return layer, torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
 
 
-def _hand_over(layer: TrimLayer, phase: Phase, ends: bool, q: int, full: tuple[torch.Tensor, torch.Tensor],
+def _hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor, torch.Tensor],
                prompt: torch.Tensor | None, step: torch.Tensor | None, scale: float | None,
                probs: torch.Tensor | None = None) -> None:
     """Hand a layer that waits for its attention what kvtrim's attention hands it in transformers after a step of
-    `q` tokens (`full`: the layer's keys and values after the step's append): with the step that ends the prompt,
-    the prompt's last queries `prompt`; with a step after the prompt, its queries `step` (`(b, q_heads, q,
-    head_dim)`, methods that need attention) and, for a decode step, the probabilities they attend with; else
-    nothing (a decode step's `probs`, when the caller computed them: those). The worker's compaction and the
-    scheduler's stand-in both hand over through this one rule."""
-    if ends:
+    `q` tokens (`full`: the layer's keys and values after the step's append): with a prompt block's step (the
+    whole prompt's, unless the method reads it in blocks), the block's last queries `prompt`; with a step after
+    the prompt, its queries `step` (`(b, q_heads, q, head_dim)`, methods that need attention) and, for a decode
+    step, the probabilities they attend with; else nothing (a decode step's `probs`, when the caller computed
+    them: those). The worker's compaction and the scheduler's stand-in both hand over through this one rule."""
+    if phase is Phase.PREFILL:
         layer.after_attention(prompt, None, scale)
-    elif phase is not Phase.PREFILL and step is not None:
+    elif step is not None:
         if probs is None and q == 1:
             probs = attend_with_probabilities(step, *full, None, scale)[1]
         layer.after_attention(step, probs if q == 1 else None, scale)
@@ -428,9 +429,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     one batch (each layer a batch row; the group's method state is one object, shared by its layers in
     `entries.states`); any other decides layer by layer.
 
-    A method that needs queries (SnapKV, TOVA, H2O) gets, with the forward that ends the prompt, `queries` per
-    layer `(q_heads, W, head_dim)` (the prompt's last `W` post-RoPE queries, what the worker's attention tap
-    captured) and the layers' softmax `scales` (`_decide`). A method that needs the attention of its decode
+    A method that needs queries (SnapKV, TOVA, H2O) gets, with the forward that ends a prompt block (the whole
+    prompt, unless it reads it in blocks: SnapKV `block_size=`), `queries` per layer `(q_heads, W, head_dim)`
+    (the block's last `W` post-RoPE queries, what the worker's attention tap captured) and the layers' softmax `scales` (`_decide`). A method that needs the attention of its decode
     steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
     head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
     probabilities."""

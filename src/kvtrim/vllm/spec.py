@@ -11,8 +11,9 @@ number of entries that depends on token counts only:
   reference mode `keep_ratio=` every `lag_size` tokens, in decoding too), KeyDiff (`compression_ratio=` at
   the prompt's end; `budget=`: the prompt read in blocks of `block_size`, each evicting back to the budget,
   then back to the budget every `block_size` decoded tokens), StreamingLLM, KNorm, or any registered one;
-* methods that read the prompt's last queries once, at its end (SnapKV `compression_ratio=`): kvtrim's
-  attention backend captures them (`kvtrim.vllm.attention`);
+* methods that read queries only where the prompt's blocks end (SnapKV: `compression_ratio=` and `budget=`
+  at the prompt's end, `budget=:block_size=` at each block's end): kvtrim's attention backend captures each
+  block's last `prompt_queries()` queries (`kvtrim.vllm.attention`);
 * TOVA (`budget=`, `compression_ratio=`): the prompt's last query at its end, then each due decode step's
   query, whose attention probabilities over the request's stored entries the compaction computes (an
   append, a recomputed request's tokens after its prompt, hands over its last query: all TOVA reads);
@@ -27,7 +28,7 @@ number of entries that depends on token counts only:
 * any other method that `needs_attention` (a registered one too) gets the same hand-over: the prompt's last
   `prompt_queries()` queries at its end when it `needs_queries`, each due decode step's probabilities, an
   append's queries;
-* not: queries elsewhere (SnapKV `budget=`: after every prompt block), scoring passes and cross-layer decisions (KVzip), head-wise
+* not: queries elsewhere (appends' or decode steps' for a ranking method), scoring passes and cross-layer decisions (KVzip), head-wise
   budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
   keeping different counts);
 * `full` keeps everything.
@@ -43,7 +44,7 @@ from functools import cache, lru_cache
 
 from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.adakv import AdaKV
-from kvtrim.methods.base import EvictionMethod, KvtrimError, Schedule, ScoringMethod
+from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
 from kvtrim.methods.h2o import H2O
 from kvtrim.specs import parse_method_spec
 
@@ -61,9 +62,9 @@ def refusal(method: EvictionMethod) -> str | None:
     if method.needs_attention:  # handed each decode step's probabilities (and appends' queries) as in transformers
         if not isinstance(method, ScoringMethod):  # an `EvictionMethod` deciding in `on_attention` (LazyEviction)
             return None
-    elif method.needs_queries and not _queries_at_prompt_end_only(method):
-        return (f"{name} needs queries after prompt blocks, appends or decode steps (budget= evicts after every "
-                "prompt block), which kvtrim's vLLM worker does not hand over yet: compression_ratio= runs")
+    elif method.needs_queries and not _queries_at_prompt_blocks_only(method):
+        return (f"{name} needs queries at appends or decode steps, which kvtrim's vLLM worker hands over only to "
+                "methods that need attention")
     if not isinstance(method, ScoringMethod):
         return f"{name} is not supported inside vLLM yet (only ranking methods on keys and values)"
     if getattr(method, "skip_layers", ()):
@@ -78,11 +79,13 @@ def prompt_queries(method: EvictionMethod, prompt_tokens: int) -> int:
     return prompt_tokens if isinstance(method, H2O) else method.prompt_queries()
 
 
-def _queries_at_prompt_end_only(method: EvictionMethod) -> bool:
-    """True for a method that reads queries only at the prompt's end (the last `prompt_queries()` of them, which
-    kvtrim's attention backend captures): a `ScoringMethod` that evicts once, when the prompt ends
-    (`Schedule()`: SnapKV `compression_ratio=`), and observes nothing before."""
-    return (isinstance(method, ScoringMethod) and method.schedule() == Schedule()
+def _queries_at_prompt_blocks_only(method: EvictionMethod) -> bool:
+    """True for a method that reads queries only where a prompt block ends (the block's last `prompt_queries()`,
+    which kvtrim's attention backend captures; the prompt is one block unless the method has a
+    `prefill_block_size()`): a `ScoringMethod` that evicts only then (SnapKV: `compression_ratio=` at the
+    prompt's end, `budget=` after each block), never at appends or decode steps, and observes nothing."""
+    schedule = method.schedule() if isinstance(method, ScoringMethod) else None
+    return (schedule is not None and not schedule.append and schedule.decode_slack is None
             and type(method).observe is ScoringMethod.observe and method.prompt_queries() > 0)
 
 

@@ -24,9 +24,10 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   `load_model` one `QueryTap` is attached to every attention layer and `kvtrim_attention` says whether
   every layer's impl is kvtrim's (else a request whose method needs queries fails, below); each forward
   (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
-  a request's prompt, across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once
-  the prompt's forward has run, and the compaction at the prompt's end gives each layer's to the method
-  (SnapKV `compression_ratio=`, TOVA, H2O: every prompt query; `kvtrim.vllm.compact`). A due forward after
+  a request's prompt (of each prompt block, for a method that reads it in blocks: SnapKV `block_size=`),
+  across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once the block's last
+  forward has run, and the compaction there gives each layer's to the method (SnapKV, TOVA, H2O: every
+  prompt query; `kvtrim.vllm.compact`). A due forward after
   the prompt of a request whose method `needs_attention` (TOVA, H2O) also copies the queries of its tokens
   after the prompt, from which its compaction computes a decode step's attention probabilities (`compact`). Without the hand-off such a request fails alone
   at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
@@ -47,8 +48,8 @@ import torch
 
 from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, blocks_needed, compact,
-                                 slots_held)
+from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, block_end, blocks_needed, compact,
+                                 prompt_block, slots_held)
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm.layout import check_isa
@@ -117,8 +118,9 @@ class TrimModelRunner(CPUModelRunner):
                            else "no attention layers")
 
     def kvtrim_query_window(self, req_id: str) -> int:
-        """How many of request `req_id`'s last prompt positions its queries are copied for (0: none): what its
-        method's `on_prompt_end` reads (`prompt_queries()`), for methods that need queries. 0 without the
+        """How many of the last positions of request `req_id`'s prompt (or of each prompt block, `prompt_block`) its
+        queries are copied for (0: none): what its method reads there (`prompt_queries()`), for methods that need
+        queries. 0 without the
         hand-off (`kvtrim_attention` False): a step never fails for it; whatever reads the queries finds none
         (`kvtrim_prompt_queries` is None) and fails that request only."""
         method = self.kvtrim_method(req_id)
@@ -127,8 +129,8 @@ class TrimModelRunner(CPUModelRunner):
         return prompt_queries(method, self.requests[req_id].num_prompt_tokens)
 
     def kvtrim_prompt_queries(self, req_id: str) -> list[torch.Tensor] | None:
-        """Request `req_id`'s last `kvtrim_query_window` prompt queries, per layer `(q_heads, W, head_dim)`
-        post-RoPE in the model's dtype, once the forward that completes its prompt has run; else None."""
+        """Request `req_id`'s last `kvtrim_query_window` queries of its prompt (block), per layer `(q_heads, W,
+        head_dim)` post-RoPE in the model's dtype, once the forward that completes it has run; else None."""
         return self.kvtrim_tap.window(req_id)
 
     def kvtrim_method(self, req_id: str):
@@ -188,14 +190,22 @@ class TrimModelRunner(CPUModelRunner):
         return out
 
     def _kvtrim_plan_queries(self, req_id: str, row: int, computed: int, scheduled: int, prompt: int) -> None:
-        """Plan the copy of the query rows of request `req_id` (the batch's `row`-th) that fall in its prompt's
-        last window, in this forward over positions `[computed, computed + scheduled)`."""
-        window = min(self.kvtrim_query_window(req_id), prompt)
-        rows = attention.window_rows(computed, scheduled, prompt, window) if window else None
+        """Plan the copy of the query rows of request `req_id` (the batch's `row`-th) that fall in the last window
+        of its prompt block (the whole prompt, unless its method reads it in blocks: `prompt_block`), in this
+        forward over positions `[computed, computed + scheduled)` (never across a block's end: the scheduler)."""
+        window = self.kvtrim_query_window(req_id)
+        if not window:
+            return
+        block = prompt_block(self.kvtrim_method(req_id))
+        start, stop = (0, prompt) if block is None else (computed // block * block, block_end(computed, prompt, block))
+        if computed == start:  # a block's first forward: an earlier block's window was read, or never will be
+            self.kvtrim_tap.forget(req_id)
+        window = min(window, stop - start)
+        rows = attention.window_rows(computed, scheduled, stop, window)
         if rows is not None:
             first = int(self.query_start_loc.np[row]) - computed  # the query row of position 0
             lo, hi = rows
-            self.kvtrim_tap.plan(req_id, first + lo, first + hi, lo - (prompt - window), window)
+            self.kvtrim_tap.plan(req_id, first + lo, first + hi, lo - (stop - window), window)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         start = time.perf_counter()
@@ -256,7 +266,7 @@ class TrimModelRunner(CPUModelRunner):
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
             queries = None
-            if method.needs_queries and any(ends for _, ends, _ in steps):  # SnapKV: the prompt's last queries
+            if method.needs_queries and steps[0][0] is Phase.PREFILL:  # SnapKV: the prompt block's last queries
                 queries = self.kvtrim_prompt_queries(req_id)
                 self.kvtrim_tap.forget(req_id)  # read once: the window's memory goes with the compaction
                 if queries is None:
