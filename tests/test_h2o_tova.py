@@ -49,6 +49,26 @@ def test_h2o_prompt_sums_are_exact_for_any_block():
     assert torch.allclose(full.sum(-1), torch.full((2, 2), 3.0 * 33))
 
 
+def test_h2o_takes_its_prompts_sums_reduced_chunk_by_chunk():
+    """`attention_sums` instead of the prompt's queries (what the vLLM engine hands over, added up per prefill
+    chunk): the same kept positions as the queries give; a padded batch refuses them in one line."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 6, 50, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    sums = torch.zeros(1, 2, 50)
+    for c in (0, 13, 32):  # chunks of 13, 19 and 18 rows
+        stop = {0: 13, 13: 32, 32: 50}[c]
+        sums[..., :stop] += prompt_attention_sums(q[:, :, c:stop], k[:, :, :stop], 0.25, 8)
+    kept = []
+    for how in ("queries", "sums"):
+        cache = kvtrim.TrimCache(kvtrim.H2O(budget=20))
+        with cache.phase(kvtrim.Phase.PREFILL, ends_prompt=True):
+            cache.update(k.clone(), v.clone(), 0)
+        cache.layers[0].after_attention(q if how == "queries" else None, None, 0.25,
+                                        sums if how == "sums" else None)
+        kept.append(cache.layers[0].kept_positions())
+    assert kept[0].shape[-1] == 20 and torch.equal(kept[0], kept[1])
+
+
 def test_h2o_prompt_sums_match_the_dense_reference_for_any_layout():
     """The blocked, in-place computation against the dense softmax of the whole prompt: GQA groups of 7
     (Qwen2.5's 14 / 2), a batch, queries that are a transposed view (as attention hands them over), bf16

@@ -293,7 +293,8 @@ def hf_tova():
 @pytest.mark.parametrize("specs", [TOVA, H2O, LAZY], ids=["tova", "h2o", "lazy"])
 def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_path, specs):
     """TOVA, H2O and LazyEviction in the engine: the prompt's last queries (TOVA: the last, captured in its last
-    chunk; H2O: all, across chunks; LazyEviction: none) at the prompt's end, then at each decode step the step's
+    chunk; H2O: its prompt's attention column sums instead, added up after each prefill chunk: no prompt query is
+    held across chunks; LazyEviction: none) at the prompt's end, then at each decode step the step's
     query, whose probabilities over the request's stored entries the compaction computes (H2O: accumulated in its
     state across compactions; LazyEviction: its recurrence state, carried the same way):
     after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
@@ -330,6 +331,12 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
             differ = (got != kept).any(dim=-1)
             assert not differ.any(), (name, differ.nonzero().tolist())
             assert list(output.token_ids) == tokens, name
+            if spec.startswith("h2o"):  # its prompt's sums, chunk by chunk (positions 0.. in order), then dropped
+                n, chunks = len(tok(REQUESTS[prompt][0]).input_ids), r["sum_chunks"][name]
+                assert [c for c, _ in chunks] == [sum(r for _, r in chunks[:i]) for i in range(len(chunks))], chunks
+                assert sum(r for _, r in chunks) == n and max(r for _, r in chunks) <= BUDGET, chunks
+                assert name not in r["sums_held"] and name not in r["windows"]
+    assert not r["sums_held"]
 
 
 @pytest.fixture(scope="module")

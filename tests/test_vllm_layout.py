@@ -390,7 +390,8 @@ def test_snapkv_prompt_blocks_get_each_blocks_queries(spec, chunk, dtype):
 @pytest.mark.parametrize("tail", [0, 3])
 def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     """TOVA, H2O and LazyEviction in the engine, token by token: the prompt's compaction gets each layer's last
-    prompt queries (TOVA: the last one, H2O: all), every due forward after it the queries of its tokens after the
+    prompt queries (TOVA: the last one; H2O: its prompt's attention column sums instead, added up in prefill chunks
+    of 16 rows by `add_prompt_sums`), every due forward after it the queries of its tokens after the
     prompt (what the attention tap captures), from which the compaction computes a decode step's probabilities
     over the layer's stored entries (H2O: accumulated in its state, LazyEviction: its recurrence state, carried
     from one compaction to the next). The blocks end up holding, per layer and KV
@@ -398,7 +399,8 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
     tokens after its prompt in the prompt's forward (an append)."""
     from kvtrim.attention import attend_with_probabilities
-    from kvtrim.vllm.spec import prompt_queries
+    from kvtrim.vllm.compact import add_prompt_sums
+    from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
     method = method_for_vllm(spec)
     prompt, new, n_layers, q_heads, scale = 2 * BS + 5, 60, 3, 3 * H, 0.125
@@ -419,10 +421,15 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
                          slots)
         steps = forward_steps(start, end, prompt)
         if counts.advance(steps):
-            window = prompt_queries(method, prompt)
+            window, sums = prompt_queries(method), None
+            if prompt_sums(method) and start == 0:
+                sums = [torch.zeros(H, prompt) for _ in range(n_layers)]
+                for c in range(0, prompt, 16):
+                    add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c,
+                                    [scale] * n_layers, method.prefill_block)
             gone = compact(caches, blocks, method, entries, steps, end, prompt,
-                           [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
-                           [q[:, max(start, prompt):end] for q in queries] if end > prompt else None)
+                           None if sums else [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
+                           [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, sums)
             assert gone == counts.discarded
             due_decodes += end > first
     reference = []

@@ -202,7 +202,8 @@ class TrimLayer(StoredLayer):
             return Phase.PREFILL, False, None
         return (Phase.APPEND if q > 1 else Phase.DECODE), False, None
 
-    def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None) -> LayerView:
+    def view(self, queries: torch.Tensor | None = None, attention: torch.Tensor | None = None,
+             attention_sums: torch.Tensor | None = None) -> LayerView:
         """The read-only view a method gets, for the current forward (in a scoring pass: the stored
         entries followed by the pass's own, which are not stored; in a ragged layer: the padded view,
         `valid` marking the stored entries)."""
@@ -219,13 +220,17 @@ class TrimLayer(StoredLayer):
             seen=self.seen, n_new=n_new, phase=phase, prompt_end=ends, prompt_tokens=self.prompt_tokens,
             state=self.state, queries=queries, attention=attention, scaling=self.attn_scaling, pass_info=info,
             valid=valid, in_place=self._step_in_place, counted_positions=self.counted_positions,
+            attention_sums=attention_sums,
         )
 
-    def _decide(self, hook: str, queries=None, attention: torch.Tensor | None = None):
+    def _decide(self, hook: str, queries=None, attention: torch.Tensor | None = None,
+                attention_sums: torch.Tensor | None = None):
         """Call the method's `hook` (`on_update`, `on_attention`, `on_prompt_end`) and return its keep (a
         padded batch: once per sequence, `PaddedBatch.decide`)."""
         if self.seq is None:
-            return getattr(self.method, hook)(self.view(queries=queries, attention=attention))
+            return getattr(self.method, hook)(self.view(queries=queries, attention=attention,
+                                                        attention_sums=attention_sums))
+        check(attention_sums is None, "attention sums are handed to unpadded layers only")
         return self.seq.decide(self.method, hook, self.padded_view(), self._forward, self.layer_idx,
                                self.attn_scaling, queries, attention)
 
@@ -348,13 +353,15 @@ class TrimLayer(StoredLayer):
         return self._awaiting_attention
 
     def after_attention(
-        self, queries: torch.Tensor | None, attention: torch.Tensor | None, scaling: float | None = None
+        self, queries: torch.Tensor | None, attention: torch.Tensor | None, scaling: float | None = None,
+        attention_sums: torch.Tensor | None = None,
     ) -> None:
         """Called by kvtrim's attention function once this layer's attention output is computed.
 
         `queries`: `(batch, q_heads, q, head_dim)` post-RoPE; `attention`: `(batch, q_heads, 1, n)`
         probabilities of a single-token step (methods with `needs_attention`), else None; `scaling`: the
-        softmax scale the layer used."""
+        softmax scale the layer used; `attention_sums`: a prompt forward's reduced attention instead of its
+        queries (`LayerView.attention_sums`; the vLLM engine's hand-over to H2O)."""
         self._awaiting_attention = False
         if _pending() is self:
             _PENDING_LAYER.set(None)
@@ -365,11 +372,12 @@ class TrimLayer(StoredLayer):
         if step is not None and step[2]:  # nothing evicted since the append: the step's view is current
             self._ragged_step = step
         try:
-            self._after_attention(queries, attention)
+            self._after_attention(queries, attention, attention_sums)
         finally:
             self._ragged_step = None
 
-    def _after_attention(self, queries: torch.Tensor | None, attention: torch.Tensor | None) -> None:
+    def _after_attention(self, queries: torch.Tensor | None, attention: torch.Tensor | None,
+                         attention_sums: torch.Tensor | None = None) -> None:
         phase, ends, _, _ = self._forward
         if phase is Phase.SCORE:  # the pass only informs the method's state; its entries go
             keep = self.method.on_attention(self.view(queries=queries, attention=attention))
@@ -382,7 +390,7 @@ class TrimLayer(StoredLayer):
             # every layer until the prompt ends (at 32k tokens, 8 GiB more than the cache on Llama-3.1-8B)
             self._prompt_queries = (queries[:, :, -tail:].clone() if self.seq is None
                                     else self.seq.tail_queries(queries, tail, self._prompt_queries))
-        self.evict(self._decide("on_attention", queries=queries, attention=attention))
+        self.evict(self._decide("on_attention", queries=queries, attention=attention, attention_sums=attention_sums))
 
     def cancel_attention(self) -> None:
         """Stop waiting for an attention hand-off that will not come (e.g. a model without kvtrim attention)."""

@@ -162,6 +162,9 @@ class LayerView:
     queries: `(batch, q_heads, q_len, head_dim)` post-RoPE (in `on_attention` / `on_prompt_end` of
     methods that need them). attention: `(batch, q_heads, 1, n)` probabilities of a single-token step
     (methods with `needs_attention`). scaling: the softmax scale the layer used.
+    attention_sums: `(batch, kv_heads, n)` float32, instead of `queries` on a prompt forward: the column sums of
+    the forward's causal attention per KV head (summed over its group), already reduced by the caller (the vLLM
+    engine accumulates them across its prefill chunks instead of holding every prompt query; H2O reads them).
     in_place: True in an in-place decode step (see the module docstring): entries are in slot order,
     `positions` are not sorted (order by them, never by index), and evicting exactly one entry per row
     is returned as `EvictOne`.
@@ -187,6 +190,7 @@ class LayerView:
     attention: torch.Tensor | None = None
     scaling: float | None = None
     pass_info: Any = None
+    attention_sums: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     in_place: bool = False
     counted_positions: bool = False

@@ -17,6 +17,9 @@ Where the probabilities come from:
   once: about one SDPA attention per layer on the CPU (SmolLM2, 6,000 tokens: 1.4x the full prefill).
   Starting at the first decode step instead would leave every prompt entry at score 0, making the first
   cut arbitrary - the paper's method ranks prompt tokens by their prompt attention.
+  Inside the vLLM engine the same function runs on each prefill chunk's queries as the chunk is computed
+  (the sums are additive over query rows) and the method gets the prompt's sums (`LayerView.attention_sums`)
+  instead of its queries.
   A chunked prefill (`prefill_chunk_size=`) accumulates each chunk's attention over the retained cache
   plus the chunk and cuts after every chunk (block-wise H2O); a one-shot prefill is the paper's setting.
 
@@ -197,6 +200,8 @@ class H2O(ScoringMethod):
             grown[..., :old] = state.scores
         if view.attention is not None:
             grown += decode_attention_sums(view.attention, hkv)
+        elif view.attention_sums is not None:  # a prompt's sums, reduced by the caller (the vLLM engine)
+            grown += view.attention_sums
         else:
             queries = view.require_queries("H2O")
             grown += prompt_attention_sums(queries, view.keys, view.softmax_scale(), self.prefill_block)

@@ -46,6 +46,7 @@ import torch
 from kvtrim.attention import attend_with_probabilities, softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
+from kvtrim.methods.h2o import prompt_attention_sums
 from kvtrim.vllm.layout import move_entries, read_request, request_key_logits, slot_places, write_entries
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
@@ -338,10 +339,24 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
     return heads, from_slots, to_slots, order
 
 
+def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                    queries: list[torch.Tensor], computed: int, scales: list[float], block: int) -> None:
+    """Add to each layer's `sums` `(kv_heads, prompt)` float32 the column sums of the causal attention of a prefill
+    chunk's queries `(q_heads, rows, head_dim)` (positions `computed .. computed + rows - 1`) over the request's
+    keys up to the chunk's last position, by H2O's own rule (`prompt_attention_sums`, in blocks of `block` query
+    rows). The sums are additive over query rows: chunk by chunk they are the whole prompt's, without holding its
+    queries. Nothing is compacted before such a prompt ends (it is one block): entry `i` is token `i`."""
+    visible = computed + queries[0].shape[1]
+    for kv, q, scale, total in zip(kv_caches, queries, scales, sums):
+        keys = read_request(kv, block_ids, visible)[0]  # (kv_heads, visible, head_dim)
+        total[:, :visible] += prompt_attention_sums(q[None], keys[None], scale, block)[0]
+
+
 def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
             slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any,
             queries: torch.Tensor | None = None, scale: float | None = None, last: torch.Tensor | None = None,
-            probs: torch.Tensor | None = None, by_position: torch.Tensor | None = None):
+            probs: torch.Tensor | None = None, by_position: torch.Tensor | None = None,
+            sums: torch.Tensor | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
     stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
     (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
@@ -356,7 +371,9 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
     queries, as kvtrim's attention hands them). Any other step gets None. `probs` `(b, q_heads, 1, stored)` in
     position order: a decode step's probabilities computed by the caller (then keys may be None: stand-ins);
-    `by_position`: `slot_positions.argsort(dim=-1)` when the caller has it already."""
+    `by_position`: `slot_positions.argsort(dim=-1)` when the caller has it already; `sums` `(b, kv_heads,
+    prompt)`: instead of `queries`, the prompt's attention column sums (`kvtrim.vllm.spec.prompt_sums`: H2O),
+    handed over with the step that ends the prompt."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
@@ -380,7 +397,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
         with cache.phase(phase, ends_prompt=ends):
             full = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
-            _hand_over(layer, phase, q, full, queries if phase is Phase.PREFILL else None, last, scale, probs)
+            _hand_over(layer, phase, q, full, queries if phase is Phase.PREFILL else None, last, scale, probs,
+                       sums if ends else None)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
@@ -393,15 +411,16 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
 
 def _hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor, torch.Tensor],
                prompt: torch.Tensor | None, step: torch.Tensor | None, scale: float | None,
-               probs: torch.Tensor | None = None) -> None:
+               probs: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> None:
     """Hand a layer that waits for its attention what kvtrim's attention hands it in transformers after a step of
     `q` tokens (`full`: the layer's keys and values after the step's append): with a prompt block's step (the
     whole prompt's, unless the method reads it in blocks), the block's last queries `prompt`; with a step after
     the prompt, its queries `step` (`(b, q_heads, q, head_dim)`, methods that need attention) and, for a decode
     step, the probabilities they attend with; else nothing (a decode step's `probs`, when the caller computed
-    them: those). The worker's compaction and the scheduler's stand-in both hand over through this one rule."""
+    them: those). `sums`: the prompt's attention column sums instead of queries (H2O in the engine). The worker's
+    compaction and the scheduler's stand-in both hand over through this one rule."""
     if phase is Phase.PREFILL:
-        layer.after_attention(prompt, None, scale)
+        layer.after_attention(prompt, None, scale, sums)
     elif step is not None:
         if probs is None and q == 1:
             probs = attend_with_probabilities(step, *full, None, scale)[1]
@@ -413,7 +432,7 @@ def _hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor,
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
             queries: list[torch.Tensor] | None = None, scales: list[float] | None = None,
-            last: list[torch.Tensor] | None = None) -> int:
+            last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -434,7 +453,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     (the block's last `W` post-RoPE queries, what the worker's attention tap captured) and the layers' softmax `scales` (`_decide`). A method that needs the attention of its decode
     steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
     head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
-    probabilities."""
+    probabilities. H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
+    of queries: its prompt's attention column sums, which the worker adds up chunk by chunk."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
@@ -466,7 +486,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
                 n_keep, positions, state = _compact_as_one_batch(
                     method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
                     None if queries is None else queries[group], None if scales is None else scales[first],
-                    None if last is None else last[group])
+                    None if last is None else last[group], None if sums is None else sums[group])
             new_positions += positions
             new_states += [state] * len(positions)  # the group's state (batch row i: its layer i), shared
             kept_counts.add(n_keep)
@@ -478,7 +498,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
                                           states[idx], None if queries is None else queries[idx][None],
                                           None if scales is None else scales[idx],
-                                          None if last is None else last[idx][None])
+                                          None if last is None else last[idx][None],
+                                          sums=None if sums is None else sums[idx][None])
             heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
                 write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
@@ -520,7 +541,7 @@ LAYER_GROUP = 10
 
 def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
                           forward: tuple, queries: list[torch.Tensor] | None = None, scale: float | None = None,
-                          last: list[torch.Tensor] | None = None):
+                          last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None):
     """`compact` for a `layers_alike` method on some of a request's layers: their stored entries read, then decided
     as one batch (one run of the method instead of one per layer; a method fed attention gets each layer's
     `queries` and `last` as its batch row, with the layers' one softmax `scale`), then each layer's moves
@@ -533,7 +554,8 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
     layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state,
                                   None if queries is None else torch.stack(queries), scale,
-                                  None if last is None else torch.stack(last))
+                                  None if last is None else torch.stack(last),
+                                  sums=None if sums is None else torch.stack(sums))
     moves, order = _fill_layers_holes(kept, n_keep)
     for idx, heads, from_slots, to_slots in moves:
         write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],

@@ -17,8 +17,9 @@ number of entries that depends on token counts only:
 * TOVA (`budget=`, `compression_ratio=`): the prompt's last query at its end, then each due decode step's
   query, whose attention probabilities over the request's stored entries the compaction computes (an
   append, a recomputed request's tokens after its prompt, hands over its last query: all TOVA reads);
-* H2O (every form): every prompt query at its end (the column sums of its causal attention; the window
-  holds `layers x q_heads x prompt x head_dim` until the prompt's compaction), then each decode step's
+* H2O (every form): the column sums of its prompt's causal attention at its end (`prompt_sums`: accumulated
+  per prefill chunk from the chunk's queries as the chunk is computed, `layers x kv_heads x prompt` floats;
+  no prompt query is held), then each decode step's
   probabilities, computed as TOVA's, accumulated in its per-entry scores, which `RequestEntries.states`
   carries from one compaction to the next (a state that changes every step: every step is due);
 * LazyEviction (`budget=`, `window=`): the prompt whole, then each decode step's probabilities, computed as
@@ -72,11 +73,17 @@ def refusal(method: EvictionMethod) -> str | None:
     return None
 
 
-def prompt_queries(method: EvictionMethod, prompt_tokens: int) -> int:
-    """How many of a prompt's last queries the engine hands `method` at the prompt's end: `prompt_queries()`
-    (SnapKV's window, TOVA's last), or all of them for H2O (its accumulated attention starts with the column
-    sums of the prompt's whole causal attention)."""
-    return prompt_tokens if isinstance(method, H2O) else method.prompt_queries()
+def prompt_sums(method: EvictionMethod) -> bool:
+    """True for a method that reads its prompt's attention as the column sums of its causal attention (H2O: its
+    accumulated scores start with them): the engine adds each prefill chunk's sums as the chunk is computed
+    (`LayerView.attention_sums`) instead of holding every prompt query until the prompt ends."""
+    return isinstance(method, H2O)
+
+
+def prompt_queries(method: EvictionMethod) -> int:
+    """How many of a prompt (block)'s last queries the engine hands `method` at its end: `prompt_queries()`
+    (SnapKV's window, TOVA's last); none for a method given its prompt's sums (`prompt_sums`)."""
+    return 0 if prompt_sums(method) else method.prompt_queries()
 
 
 def _queries_at_prompt_blocks_only(method: EvictionMethod) -> bool:

@@ -26,8 +26,9 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
   a request's prompt (of each prompt block, for a method that reads it in blocks: SnapKV `block_size=`),
   across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once the block's last
-  forward has run, and the compaction there gives each layer's to the method (SnapKV, TOVA, H2O: every
-  prompt query; `kvtrim.vllm.compact`). A due forward after
+  forward has run, and the compaction there gives each layer's to the method (SnapKV, TOVA; `kvtrim.vllm.compact`).
+  For H2O (`prompt_sums`) each prefill chunk's queries are copied and, right after its forward, reduced to the
+  column sums of their causal attention (`kvtrim_prompt_sums`), which its prompt's compaction hands over. A due forward after
   the prompt of a request whose method `needs_attention` (TOVA, H2O) also copies the queries of its tokens
   after the prompt, from which its compaction computes a decode step's attention probabilities (`compact`). Without the hand-off such a request fails alone
   at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
@@ -48,12 +49,12 @@ import torch
 
 from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, block_end, blocks_needed, compact,
-                                 prompt_block, slots_held)
+from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, add_prompt_sums, block_end,
+                                 blocks_needed, compact, prompt_block, slots_held)
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm.layout import check_isa
-from kvtrim.vllm.spec import method_for_vllm, prompt_queries
+from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums
 from kvtrim.vllm.worker_check import check_vllm_version
 
 
@@ -100,6 +101,11 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_attention = False
         #: each attention layer's softmax scale, in layer order (set by `load_model`; handed to methods with queries)
         self.kvtrim_scales: list[float] | None = None
+        #: req_id -> per layer, the column sums `(kv_heads, prompt)` float32 of its prompt's causal attention so far
+        #: (`prompt_sums` methods: H2O), added after each prefill chunk's forward
+        self.kvtrim_prompt_sums: dict[str, list[torch.Tensor]] = {}
+        #: this step's requests whose prompt rows give sums: req_id -> (first position, prompt rows) of its rows
+        self._kvtrim_sum_rows: dict[str, tuple[int, int]] = {}
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -126,7 +132,7 @@ class TrimModelRunner(CPUModelRunner):
         method = self.kvtrim_method(req_id)
         if method is None or not method.needs_queries or not self.kvtrim_attention:
             return 0
-        return prompt_queries(method, self.requests[req_id].num_prompt_tokens)
+        return prompt_queries(method)
 
     def kvtrim_prompt_queries(self, req_id: str) -> list[torch.Tensor] | None:
         """Request `req_id`'s last `kvtrim_query_window` queries of its prompt (block), per layer `(q_heads, W,
@@ -157,6 +163,7 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_due = []
         plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
         self.kvtrim_tap.clear_plan()
+        self._kvtrim_sum_rows = {}
         self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
@@ -176,6 +183,12 @@ class TrimModelRunner(CPUModelRunner):
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
                     self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1][2], row_end)
+            if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(
+                    self.kvtrim_method(req_id)):
+                # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
+                row_start = int(self.query_start_loc.np[i])
+                self.kvtrim_tap.plan_last(req_id, row_start, row_start + int(num_scheduled_tokens[i]))
+                self._kvtrim_sum_rows[req_id] = (int(computed[i]), min(int(num_scheduled_tokens[i]), prompt - int(computed[i])))
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -214,6 +227,8 @@ class TrimModelRunner(CPUModelRunner):
         finally:
             self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
+        for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
+            self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
         for req_id in scheduler_output.finished_req_ids:
@@ -250,7 +265,26 @@ class TrimModelRunner(CPUModelRunner):
     def _kvtrim_forget(self, req_id: str) -> None:
         self.kvtrim_discarded.pop(req_id, None)
         self.kvtrim_entries.pop(req_id, None)
+        self.kvtrim_prompt_sums.pop(req_id, None)
         self.kvtrim_tap.forget(req_id)
+
+    def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
+        """Add the column sums of the causal attention of request `req_id`'s prompt rows of this forward (positions
+        `computed .. computed + rows - 1`) to its `kvtrim_prompt_sums` (`add_prompt_sums`), from the queries the tap
+        copied; the queries are dropped (those of tokens after the prompt, a recomputed request's, stay for its
+        compaction)."""
+        queries = self.kvtrim_tap.take_last(req_id)
+        if queries is None:
+            return  # nothing copied: its compaction finds no sums and fails that request alone
+        method, state = self.kvtrim_method(req_id), self.requests[req_id]
+        if rows < queries[0].shape[1]:
+            self.kvtrim_tap.last[req_id] = {idx: q[:, rows:] for idx, q in enumerate(queries)}
+        sums = self.kvtrim_prompt_sums.get(req_id)
+        if sums is None:
+            h = self.kv_caches[0].shape[1]
+            sums = self.kvtrim_prompt_sums[req_id] = [torch.zeros(h, state.num_prompt_tokens) for _ in self.kv_caches]
+        add_prompt_sums(sums, self.kv_caches, torch.tensor(state.block_ids[0], dtype=torch.long),
+                        [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block)
 
     def _compact(self, req_id: str, plan, end: int) -> None:
         """Compact request `req_id` as the scheduler's `plan` (a `Due`) says, after a forward that brought it
@@ -265,8 +299,13 @@ class TrimModelRunner(CPUModelRunner):
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
-            queries = None
-            if method.needs_queries and steps[0][0] is Phase.PREFILL:  # SnapKV: the prompt block's last queries
+            queries = sums = None
+            if prompt_sums(method) and steps[0][0] is Phase.PREFILL:  # H2O: its prompt's attention, summed
+                sums = self.kvtrim_prompt_sums.pop(req_id, None)
+                if sums is None:
+                    raise KvtrimError(f"{type(method).__name__} needs the attention of its prompt, which this "
+                                      "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
+            elif method.needs_queries and steps[0][0] is Phase.PREFILL:  # SnapKV: the prompt block's last queries
                 queries = self.kvtrim_prompt_queries(req_id)
                 self.kvtrim_tap.forget(req_id)  # read once: the window's memory goes with the compaction
                 if queries is None:
@@ -279,7 +318,7 @@ class TrimModelRunner(CPUModelRunner):
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
-                           queries, self.kvtrim_scales, last)
+                           queries, self.kvtrim_scales, last, sums)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")

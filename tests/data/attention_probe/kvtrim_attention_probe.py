@@ -10,7 +10,9 @@
 * `steps`: forwards run, and per NAME the forwards it was in; `copies`: the tap's copies so far;
 * `kept`: NAME -> the token positions its blocks hold after its prompt's compaction, per layer and KV head
   `(layers, kv_heads, n_keep)` sorted; `latest`: NAME -> (its token count, those positions) after its latest
-  compaction; `failed`: NAME -> why its compaction failed (one line).
+  compaction; `failed`: NAME -> why its compaction failed (one line);
+* `sum_chunks`: NAME -> the `(first position, rows)` of each prefill chunk whose attention sums were added
+  (H2O); `sums_held`: the NAMEs whose prompt sums the runner still holds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ProbeRunner(TrimModelRunner):
         self.probe_kept: dict[str, torch.Tensor] = {}
         self.probe_latest: dict[str, tuple[int, torch.Tensor]] = {}
         self.probe_failed: dict[str, str] = {}
+        self.probe_sum_chunks: dict[str, list] = {}
 
     def _probe_args(self, req_id: str) -> dict:
         params = self.requests[req_id].sampling_params
@@ -49,6 +52,11 @@ class ProbeRunner(TrimModelRunner):
             self.probe_latest[name] = (end, positions)
             if plan.steps[0][1]:  # the prompt's compaction
                 self.probe_kept[name] = positions
+
+    def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
+        super()._kvtrim_add_prompt_sums(req_id, computed, rows)
+        name = self._probe_args(req_id).get("probe", req_id)
+        self.probe_sum_chunks.setdefault(name, []).append((computed, rows))
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -82,5 +90,7 @@ class ProbeWorker(TrimCPUWorker):
         torch.save({"impls": {name: type(layer.impl).__name__ for name, layer in layers.items()},
                     "attention": runner.kvtrim_attention, "windows": runner.probe_windows,
                     "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
-                    "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed},
+                    "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed,
+                    "sum_chunks": runner.probe_sum_chunks,
+                    "sums_held": [runner._probe_args(r).get("probe", r) for r in runner.kvtrim_prompt_sums]},
                    path)
