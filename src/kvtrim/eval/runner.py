@@ -68,9 +68,13 @@ class RunSettings:
     # stop decoding once the answer holds every reference: string_match / passkey scores cannot change
     # after that (containment survives appended text), only the stored prediction is shorter
     stop_when_answered: bool = True
-    # sequences per batched forward (`--batch-size`); does not change the rows (exact in float32), so a
-    # run may resume with another batch size
+    # sequences per batched forward (`--batch-size`; with a server: requests in flight); does not change the
+    # rows (exact in float32), so a run may resume with another batch size
     batch_size: int = 1
+    # what produced the rows: "transformers" (in-process, kvtrim's TrimCache) or "vllm" (`kvtrim eval --server`:
+    # requests to a `kvtrim serve` server, whose model id is `server_model`); rows of the two never share a folder
+    backend: str = "transformers"
+    server_model: str | None = None
 
 
 @dataclass
@@ -124,11 +128,48 @@ def check_run_settings(out_dir: str, settings: RunSettings) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
-        diff = [k for k in current if k not in _NOT_RESULTS and previous.get(k) != current[k]]
+        # a key missing from an older run.json predates its setting: that run had the default
+        defaults = asdict(RunSettings(model=""))
+        diff = [k for k in current if k not in _NOT_RESULTS and previous.get(k, defaults.get(k)) != current[k]]
         check(not diff, f"{out_dir} holds results made with other settings ({', '.join(f'{k}={previous.get(k)!r}' for k in diff)}); "
                         "use another --out or the same settings")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(current, f, indent=1)
+
+
+def job_row(job: Job, n: int, m: int, query_aware: bool, backend: str = "transformers") -> dict:
+    """The fields of `job`'s row known before it runs (`n` compressed tokens, `m` fed after), whatever runs it."""
+    sample = job.sample
+    return {
+        "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
+        "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
+        "compression_ratio": job.compression_ratio,
+        "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
+        "compressed_tokens": n, "prompt_tokens": n + m, "query_aware": query_aware,
+        "metric": sample.metric, "answers": sample.answers,
+        **({"haystack": sample.meta["haystack"]} if "haystack" in sample.meta else {}),
+        "backend": backend,
+    }
+
+
+def answered_rule(sample: Sample, tokenizer, stop_when_answered: bool):
+    """The stop-when-answered rule of `sample`: `tokens -> True` once the answer holds every reference (None
+    with --full-answers, or for LongBench's metrics, whose scores can fall as text is appended)."""
+    if not stop_when_answered or sample.metric in LONGBENCH_METRICS:
+        return None
+    return lambda t: score_prediction(  # noqa: E731
+        sample.metric, tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+
+
+def answer_fields(tokenizer, sample: Sample, tokens: list[int], budget: int, done) -> dict:
+    """A row's answer and its scores from the greedy `tokens` (stop tokens excluded) of at most `budget`."""
+    prediction = tokenizer.decode(tokens, skip_special_tokens=True)
+    return dict(
+        prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
+        stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
+        **score_prediction(sample.metric, prediction, sample.answers, sample.meta.get("all_classes"),
+                           bool(sample.meta.get("first_line"))),
+    )
 
 
 def plan(samples: list[Sample], specs: list[MethodSpec], ratios: list[float],
@@ -225,32 +266,16 @@ class Runner:
 
     def _row(self, job: Job, n: int, m: int) -> dict:
         """The fields of `job`'s row known before it runs (`n` compressed tokens, `m` fed after)."""
-        sample = job.sample
-        return {
-            "key": job.key, "sample_id": sample.id, "task": sample.task, "length": sample.length,
-            "depth": sample.depth, "method": job.spec.label, "method_name": job.spec.name,
-            "compression_ratio": job.compression_ratio,
-            "budget": job.budget if job.budget is not None else kept_count(n, job.compression_ratio),
-            "compressed_tokens": n, "prompt_tokens": n + m, "query_aware": self.settings.query_aware,
-            "metric": sample.metric, "answers": sample.answers,
-            **({"haystack": sample.meta["haystack"]} if "haystack" in sample.meta else {}),
-        }
+        return job_row(job, n, m, self.settings.query_aware)
 
     def _done(self, sample: Sample):
         """The stop-when-answered rule of `sample` (None with --full-answers)."""
-        if not self.settings.stop_when_answered or sample.metric in LONGBENCH_METRICS:
-            return None  # LongBench's scores can fall as text is appended: decode to the end
-        return lambda t: score_prediction(  # noqa: E731
-            sample.metric, self.tokenizer.decode(t, skip_special_tokens=True), sample.answers)["score"] >= 1
+        return answered_rule(sample, self.tokenizer, self.settings.stop_when_answered)
 
     def _finish(self, row: dict, sample: Sample, tokens: list[int], budget: int, done, stats: RowStats,
                 final: RowStats, trace: list[int], reused: bool, seconds: float) -> dict:
-        prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
         row.update(
-            prediction=prediction, new_tokens=len(tokens), max_new_tokens=budget,
-            stopped_when_answered=bool(done and tokens and len(tokens) < budget and done(tokens)),
-            **score_prediction(sample.metric, prediction, sample.answers, sample.meta.get("all_classes"),
-                               bool(sample.meta.get("first_line"))),
+            **answer_fields(self.tokenizer, sample, tokens, budget, done),
             achieved_compression=stats.compression_ratio, final_compression=final.compression_ratio,
             # a decode forward holds the entries before it plus its token until its eviction
             peak_stored=max(trace[:-1]) + 1 if len(trace) > 1 else None, final_stored=trace[-1],
