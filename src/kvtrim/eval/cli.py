@@ -74,14 +74,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=int, help="chunked prefill for every method (disables prefill reuse)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="sequences per batched forward: the samples of one task and length that share a method's "
-                        "configuration are compressed and answered together (default 1; the rows do not change)")
+                        "configuration are compressed and answered together (default 1; the rows do not change); "
+                        "with --server: the number of requests in flight at once (rows are still written in order)")
     p.add_argument("--no-reuse", action="store_true", help="prefill every (method, ratio) anew instead of replaying")
     p.add_argument("--full-answers", action="store_true",
                    help="decode every answer to EOS or the token cap (default: stop once the answer holds every "
                         "reference, which cannot change its score)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", help="float32 (default), bfloat16, float16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", help="torch device of the in-process model (default: cpu)")
+    p.add_argument("--server", metavar="URL",
+                   help="run every job as a request to a running `kvtrim serve` (vLLM) at URL, e.g. "
+                        "http://127.0.0.1:8000, instead of loading the model here: the same prompts as token ids "
+                        "(--model's tokenizer; needs --query-aware: the engine compresses the whole prompt), the "
+                        "same method spec per job in vllm_xargs, greedy; rows say backend vllm and the served "
+                        "model; the server's dtype and device apply")
     p.add_argument("--out", help="output folder (default: runs/eval/<preset or custom>); checked before any work")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--report-only", action="store_true", help="only rebuild the reports from OUT/results.jsonl")
@@ -162,7 +169,25 @@ def _validate(cfg: dict, args) -> None:
         check(args.prefill_chunk_size >= 1, f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     cfg["specs"] = parse_method_specs(cfg["methods"])
     cfg["ray"] = ray_options(args)
+    if args.server is not None:
+        _check_server_flags(cfg, args)
+    args.device = args.device or "cpu"
     _check_environment(cfg, args)
+
+
+def _check_server_flags(cfg: dict, args) -> None:
+    """What a request to the engine cannot express, refused in one line (before anything loads)."""
+    from kvtrim.eval.server import check_url
+
+    args.server = check_url(args.server)
+    check(cfg["query_aware"], "kvtrim eval --server needs --query-aware: the engine compresses the whole prompt, so "
+                              "the query-agnostic protocol (compress the context, then feed the question) cannot be "
+                              "sent as one request")
+    check(cfg["ray"] is None, "--ray and --server are two ways to run the sweep: give one")
+    check(args.prefill_chunk_size is None, "--prefill-chunk-size does not apply with --server (vLLM chunks prompts "
+                                           "its own way)")
+    check(args.dtype is None, "--dtype does not apply with --server: the server's applies (kvtrim serve --dtype)")
+    check(args.device is None, "--device does not apply with --server: the server's applies")
 
 
 def _check_environment(cfg: dict, args) -> None:
@@ -177,7 +202,7 @@ def _check_environment(cfg: dict, args) -> None:
     elif args.write_tasks:
         check_writable_file(args.write_tasks, "--write-tasks")
         return
-    else:
+    elif args.server is None:
         parse_dtype(cfg["dtype"])
         check_device(args.device)
     if cfg.get("ray") is not None and not args.report_only:
@@ -217,7 +242,7 @@ INVOCATIONS = "invocations.jsonl"
 
 
 def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupted: bool = False,
-                    ray: dict | None = None, batch_size: int = 1) -> None:
+                    ray: dict | None = None, batch_size: int = 1, server: str | None = None) -> None:
     """Append this invocation's timing to OUT/invocations.jsonl (a resumed run has several; an interrupted
     one is recorded too, marked `"interrupted": true`; a `--ray` one records its workers: the CPU time is
     the driver's only)."""
@@ -230,6 +255,8 @@ def _log_invocation(out: str, wall: float, cpu: float, rows_run: int, interrupte
               "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if ray is not None:
         record["ray"] = ray
+    if server is not None:
+        record["server"] = server
     append_jsonl(os.path.join(out, INVOCATIONS), record)
 
 
@@ -240,17 +267,38 @@ def _timing_lines(out: str) -> list[str]:
     for r in read_jsonl(os.path.join(out, INVOCATIONS)):
         lines.append(f"- `{r['command']}`: {r['rows_run']} rows in {r['wall_s'] / 60:.1f} min wall "
                      f"(process CPU {r['cpu_s'] / 60:.1f} min, {r['torch_threads']} torch thread(s)), {r['finished']}"
-                     + (f", batches of {r['batch_size']}" if r.get("batch_size", 1) > 1 else "")
+                     + (f", server {r['server']}" if r.get("server") else "")
+                     + (f", {'requests in flight' if r.get('server') else 'batches of'} {r['batch_size']}"
+                        if r.get("batch_size", 1) > 1 else "")
                      + (f", Ray: {r['ray']['workers_started']} worker(s)" if r.get("ray") else "")
                      + (" (interrupted)" if r.get("interrupted") else ""))
     return lines
 
 
+def _run_settings(out: str) -> dict:
+    """`OUT/run.json` (the settings the rows were made with), or {}."""
+    import json
+
+    from kvtrim.eval.runner import RUN_FILE
+
+    try:
+        with open(os.path.join(out, RUN_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def _header(cfg: dict, args, out: str, n_samples: int) -> str:
+    run = _run_settings(out)
+    if run.get("backend") == "vllm":
+        model = (f"- model: `{cfg['model']}`'s prompts, answered by a vLLM server (`kvtrim eval --server`: model id "
+                 f"`{run.get('server_model')}`, the server's dtype; no cache statistics)")
+    else:
+        model = f"- model: `{cfg['model']}` ({cfg['dtype']}, {args.device})"
     lines = [
         f"# kvtrim eval: {args.preset or 'custom sweep'}",
         "",
-        f"- model: `{cfg['model']}` ({cfg['dtype']}, {args.device}); prompt: "
+        f"{model}; prompt: "
         f"{'raw' if args.raw else 'chat template'}; protocol: "
         f"{'query-aware (question compressed with the context)' if cfg['query_aware'] else 'query-agnostic (context compressed, then question, greedy answer)'}",
         f"- methods configured per ratio by `{cfg['compression']}`"
@@ -350,6 +398,8 @@ def cmd_eval(args) -> int:
         write_task_file(args.write_tasks, samples)
         print(f"wrote {len(samples)} samples to {args.write_tasks}")
         return 0
+    if args.server is not None:
+        return _eval_on_server(cfg, args, tok, samples)
 
     import torch
 
@@ -385,7 +435,50 @@ def cmd_eval(args) -> int:
     finally:
         _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
                         interrupted=not finished, ray=getattr(runner, "summary", None), batch_size=args.batch_size)
-    files = write_report(rows, out, _header(cfg, args, out, len(samples)), not args.no_plots,
+    return _report(rows, cfg, args, len(samples))
+
+
+def _eval_on_server(cfg: dict, args, tok, samples) -> int:
+    """`kvtrim eval --server URL`: every job a request to the server (`kvtrim.eval.server`); the engine's
+    refusals are checked before any request, the server's model once at start."""
+    from kvtrim.eval.runner import RunSettings, plan
+    from kvtrim.eval.server import ServerRunner, check_model, connect, stop_token_ids
+
+    out = cfg["out"]
+    jobs = plan(samples, cfg["specs"], cfg["ratios"], cfg["budgets"])
+    settings = RunSettings(
+        model=cfg["model"], dtype=None, chat=not args.raw, query_aware=True, compression=cfg["compression"],
+        max_new_tokens=cfg["max_new_tokens"], reuse_prefill=not args.no_reuse,
+        stop_when_answered=not args.full_answers, batch_size=args.batch_size, backend="vllm",
+    )
+    runner = ServerRunner(args.server, None, tok, settings, out, stop_token_ids(cfg["model"], tok),
+                          progress=not args.quiet)
+    runner.prepare(jobs)  # methods the engine refuses: one line, nothing sent
+    runner.served = served = connect(args.server)
+    check_model(served, cfg["model"])
+    runner.check_fits(jobs)
+    settings.server_model = served.id
+    from kvtrim.eval.runner import check_run_settings
+
+    check_run_settings(out, settings)  # resuming with other settings (or another backend) is refused
+    if not args.quiet:
+        print(runner.line(jobs), flush=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    finished = False
+    try:
+        rows = runner.run(jobs)
+        finished = True
+    finally:
+        _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
+                        interrupted=not finished, batch_size=args.batch_size, server=args.server)
+    return _report(rows, cfg, args, len(samples))
+
+
+def _report(rows: list[dict], cfg: dict, args, n_samples: int) -> int:
+    from kvtrim.eval.report import write_report
+
+    out = cfg["out"]
+    files = write_report(rows, out, _header(cfg, args, out, n_samples), not args.no_plots,
                          method_order=[s.label for s in cfg["specs"]])
     print(f"{len(rows)} rows in {out}/results.jsonl; wrote {files['markdown']}, {files['csv']}"
           + "".join(f", {p}" for p in files["plots"]))

@@ -68,6 +68,27 @@ def scored(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "score" in r]
 
 
+def _known_mean(values) -> float | None:
+    """The mean, or None when any value is unknown (rows from a server carry no cache statistics)."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else mean(values)
+
+
+def backend_of(row: dict) -> tuple[str, str | None]:
+    """What produced a row: ("transformers", None) in-process (rows written before the field included), or
+    ("vllm", the served model id) for `kvtrim eval --server`."""
+    return row.get("backend", "transformers"), row.get("server_model")
+
+
+def check_one_backend(rows: list[dict]) -> None:
+    """Refuse, in one line, to summarise rows of different backends (or served models) together."""
+    from kvtrim.methods.base import check
+
+    found = list(dict.fromkeys(backend_of(r) for r in rows))
+    check(len(found) <= 1, "these results mix rows of " + " and ".join(
+        b if m is None else f"{b} ({m})" for b, m in found) + ": report each backend's rows apart")
+
+
 def budget_cell(row: dict) -> int | None:
     """The budget a row of a budget sweep was run at; None for a row sized by a compression ratio."""
     return row.get("budget") if row["compression_ratio"] is None else None
@@ -86,6 +107,7 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
     length) average; `budget` is None for ratio cells, `compression_ratio` None for budget cells.
 
     `method_order`: the order of methods in tables and legends (default: first appearance in `rows`)."""
+    check_one_backend(rows)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     skipped: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -106,8 +128,8 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
                 score=100 * mean(r["score"] for r in g),
                 string_match_all=100 * mean(r["string_match_all"] for r in g),
                 string_match_part=100 * mean(r["string_match_part"] for r in g),
-                achieved_compression=mean(r["achieved_compression"] for r in g),
-                final_compression=mean(r["final_compression"] for r in g),
+                achieved_compression=_known_mean(r["achieved_compression"] for r in g),
+                final_compression=_known_mean(r["final_compression"] for r in g),
                 seconds=sum(r["seconds"] for r in g),
             )
             rec.update(_interval(cell_interval([r["score"] for r in g])))
@@ -121,7 +143,8 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
             if peaks:
                 rec["peak_stored"] = max(peaks)
         else:
-            rec["skip_reason"] = skipped[key][0]["skipped"]
+            first = skipped[key][0]  # not configurable at that setting, or the server's error line
+            rec["skip_reason"] = first.get("skipped") or f"server error: {first.get('error')}"
         out.append(rec)
     # averages over tasks
     by_setting: dict[tuple, list[dict]] = defaultdict(list)
@@ -138,8 +161,8 @@ def summarize(rows: list[dict], method_order: list[str] | None = None) -> list[d
             key_of = lambda r: (r["method"], r["compression_ratio"], r["budget"], r["length"], r["task"])  # noqa: E731
             avg.update(_interval(average_interval([[s["score"] for s in groups[key_of(r)]] for r in done])))
             avg.update(score=mean(r["score"] for r in done),
-                       achieved_compression=mean(r["achieved_compression"] for r in done),
-                       final_compression=mean(r["final_compression"] for r in done),
+                       achieved_compression=_known_mean(r["achieved_compression"] for r in done),
+                       final_compression=_known_mean(r["final_compression"] for r in done),
                        seconds=sum(r["seconds"] for r in done))
             peaks = [r["peak_stored"] for r in done if r.get("peak_stored") is not None]
             if peaks:
@@ -292,10 +315,12 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in summary))
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    nominal = any(r.get("achieved_compression") is None for r in summary if r.get("score") is not None)
     for ax, task in zip(axes.flat, tasks):
         for method in methods:
             pts = sorted(
-                (r["achieved_compression"], r["score"], r["compression_ratio"], r.get("ci_low", r["score"]),
+                (r["compression_ratio"] if r.get("achieved_compression") is None else r["achieved_compression"],
+                 r["score"], r["compression_ratio"], r.get("ci_low", r["score"]),
                  r.get("ci_high", r["score"]))
                 for r in summary
                 if r["method"] == method and r["task"] == task and r.get("score") is not None
@@ -312,10 +337,10 @@ def plot_score_vs_compression(summary: list[dict], path: str) -> None:
         ax.set_title(task if len(lengths) == 1 else f"{task} ({lengths[-1]} tokens)", fontsize=10)
         ax.set_xlim(-0.02, 1.0)
         ax.set_ylim(-3, 103)
-        ax.set_xlabel("achieved compression ratio")
+        ax.set_xlabel("nominal compression ratio (not measured)" if nominal else "achieved compression ratio")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
-    _finish_panels(plt, fig, axes, len(tasks), "score vs achieved compression, 95 % intervals (full cache dashed, its interval shaded)", path)
+    _finish_panels(plt, fig, axes, len(tasks), f"score vs {'nominal' if nominal else 'achieved'} compression, 95 % intervals (full cache dashed, its interval shaded)", path)
 
 
 def plot_score_vs_budget(summary: list[dict], path: str) -> None:
@@ -490,7 +515,8 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
     md = [header.strip(), "", markdown_tables(summary), ""]
     notes = skipped_notes(summary)
     if notes:
-        md += ["Not run (the method cannot be configured at that budget):", *notes, ""]
+        md += ["Not run (the method cannot be configured at that setting, or the server answered with an error):",
+               *notes, ""]
     md += [
         "Scores: RULER's string_match_all (fraction of the references found in the answer), ×100, mean over "
         "samples, then over tasks (avg). passkey: exact match; (partial): longest matching digit prefix. "
@@ -503,6 +529,13 @@ def write_report(rows: list[dict], out_dir: str, header: str = "", plots: bool =
         "",
         INTERVAL_NOTE,
     ]
+    if any(backend_of(r)[0] == "vllm" for r in rows):
+        md += [
+            "",
+            "Rows answered by a vLLM server (`kvtrim eval --server`, backend `vllm`): the same prompts, method "
+            "specs and greedy decoding, run by the engine; the server reports no cache statistics, so `achieved`, "
+            "`final` and `peak stored` are empty (—) and plots use the nominal ratio.",
+        ]
     from kvtrim.eval.tasks import REAL_TEXT_TASKS
 
     tasks = {r.get("task") for r in rows if r.get("haystack") != "essay"}
