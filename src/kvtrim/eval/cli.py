@@ -299,8 +299,8 @@ def _header(cfg: dict, args, out: str, n_samples: int) -> str:
         f"# kvtrim eval: {args.preset or 'custom sweep'}",
         "",
         f"{model}; prompt: "
-        f"{'raw' if args.raw else 'chat template'}; protocol: "
-        f"{'query-aware (question compressed with the context)' if cfg['query_aware'] else 'query-agnostic (context compressed, then question, greedy answer)'}",
+        f"{'chat template' if run.get('chat', not args.raw) else 'raw'}; protocol: "  # as the rows were made
+        f"{'query-aware (question compressed with the context)' if run.get('query_aware', cfg['query_aware']) else 'query-agnostic (context compressed, then question, greedy answer)'}",
         f"- methods configured per ratio by `{cfg['compression']}`"
         + (f", per budget ({', '.join(map(str, cfg['budgets']))} entries) by at-budget" if cfg["budgets"] else "")
         + f"; samples: {n_samples}; seed {cfg['seed']}"
