@@ -245,7 +245,7 @@ def test_a_500_is_a_row_while_the_server_is_healthy_and_stops_the_run_when_not(f
 
 @pytest.mark.parametrize("flags, message", [
     (["--methods", "full,kvzip", "--compression-ratios", "0.5"], "KVzip is not supported inside vLLM"),
-    (["--methods", "snapkv", "--budgets", "64"], "SnapKV needs queries after prompt blocks"),
+    (["--methods", "lagkv:compression_ratio=0.5:skip_layers=0", "--budgets", "64"], "skip_layers is not supported"),
     (["--methods", "adakv:method=keydiff", "--compression-ratios", "0.5"], "AdaKV keeps a different number"),
 ])
 def test_a_method_the_engine_refuses_is_one_line_before_any_request(fake, task_file, tmp_path, capsys, flags, message):
@@ -256,11 +256,12 @@ def test_a_method_the_engine_refuses_is_one_line_before_any_request(fake, task_f
     assert server.requests == []
 
 
-def test_snapkv_by_ratio_runs(fake, task_file, tmp_path):
+def test_snapkv_runs_at_a_budget_and_a_ratio(fake, task_file, tmp_path):
     server = fake()
     assert _eval(task_file, tmp_path, server.url, "--methods", "snapkv", "--compression-ratios", "0.5",
-                 "--compression", "ratio") == 0
-    assert {p["vllm_xargs"]["kvtrim"] for p in server.completions()} == {"snapkv:compression_ratio=0.5"}
+                 "--budgets", "64", "--compression", "ratio") == 0
+    assert {p["vllm_xargs"]["kvtrim"] for p in server.completions()} == {"snapkv:compression_ratio=0.5",
+                                                                         "snapkv:budget=64"}
 
 
 @pytest.mark.parametrize("flags, message", [
