@@ -10,7 +10,7 @@ Prints per method: the planning per forward (µs, mean), the compactions while d
 each) and what both cost per decode step on average (ms): the number to set beside a decode step's time
 (about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request). A method fed attention
 (TOVA, H2O, LazyEviction) gets random queries (9 query heads), as the worker hands it the captured ones: the
-prompt's at its end (`prompt_queries`), each due forward's after it.
+prompt's at its end (`prompt_queries`; H2O: random column sums instead, `prompt_sums`), each due forward's after it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import RequestEntries, block_end, compact, plan_forward, prompt_block
 from kvtrim.vllm.layout import write_entries
-from kvtrim.vllm.spec import prompt_queries
+from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
 LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 9, 128, 64, 56, 237, 2000
 SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
@@ -37,8 +37,10 @@ def request_cost(spec: str) -> dict:
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
     entries, counts, discarded = RequestEntries(), {}, 0
     fresh = torch.randn(2, PROMPT + OUTPUT, KV_HEADS, HEAD_DIM).bfloat16()  # (k/v, token, head, d)
-    window = prompt_queries(method, PROMPT) if method.needs_queries else 0
+    window = prompt_queries(method) if method.needs_queries else 0
     queries = [torch.randn(Q_HEADS, window, HEAD_DIM).bfloat16() for _ in range(LAYERS)] if window else None
+    # H2O: its prompt's attention column sums instead (the worker adds them up per prefill chunk)
+    sums = [torch.rand(KV_HEADS, PROMPT) for _ in range(LAYERS)] if prompt_sums(method) else None
     scales = [HEAD_DIM ** -0.5] * LAYERS
     block, start, forwards = prompt_block(method), 0, []
     while start < PROMPT:  # the prompt as the scheduler splits it (in blocks for KeyDiff budget=), then decoding
@@ -61,7 +63,8 @@ def request_cost(spec: str) -> dict:
         if due is not None:
             last = ([torch.randn(Q_HEADS, end - max(computed, PROMPT), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
                     if method.needs_attention and end > PROMPT else None)
-            discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last)
+            discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last,
+                                sums if computed < PROMPT else None)
             if computed >= PROMPT:
                 compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:
