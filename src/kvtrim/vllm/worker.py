@@ -91,6 +91,8 @@ class TrimModelRunner(CPUModelRunner):
         #: compactions done and entries discarded (for logs and tests)
         self.kvtrim_compactions = 0
         self.kvtrim_evicted = 0
+        #: req_id -> its compactions after its prompt so far (one line when it ends, not one per compaction)
+        self.kvtrim_later_compactions: dict[str, int] = {}
         #: model steps, their seconds (execute_model + sample_tokens) and the compactions' share of them
         self.kvtrim_steps = 0
         self.kvtrim_step_s = 0.0
@@ -232,6 +234,10 @@ class TrimModelRunner(CPUModelRunner):
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
         for req_id in scheduler_output.finished_req_ids:
+            later, entries = self.kvtrim_later_compactions.pop(req_id, 0), self.kvtrim_entries.get(req_id)
+            if later and entries is not None:
+                logger.info("kvtrim: request %s ended after %d compactions past its prompt, storing %d of %d entries",
+                            req_id, later, entries.seen - self.kvtrim_discarded.get(req_id, 0), entries.seen)
             self._kvtrim_forget(req_id)
         self._hand_over_failures(out)
         self.kvtrim_step_s += time.perf_counter() - start
@@ -338,8 +344,12 @@ class TrimModelRunner(CPUModelRunner):
         seconds = time.perf_counter() - start
         self.kvtrim_compaction_s += seconds
         when = "prompt" if steps[0][1] else "prompt block" if steps[0][0] is Phase.PREFILL else steps[-1][0].value
-        logger.info("kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end,
-                    when, type(method).__name__, 1000 * seconds)
+        if steps[0][0] is not Phase.PREFILL:  # decode steps and appends: one line when the request ends
+            self.kvtrim_later_compactions[req_id] = self.kvtrim_later_compactions.get(req_id, 0) + 1
+        # a line per prompt (block); one per decode step (every step of a TOVA request) only at debug level
+        (logger.info if steps[0][0] is Phase.PREFILL else logger.debug)(
+            "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,
+            type(method).__name__, 1000 * seconds)
 
     def _drop_tail_blocks(self, req_id: str, slots: int) -> None:
         """The request's block ids past the `slots` it keeps (`slots_held`) leave its block table (the scheduler
