@@ -142,6 +142,33 @@ def test_a_streaming_decode_step_leaves_a_hole_the_next_token_fills():
     assert (entries.slots(0)[:, hole] == prompt + 1).all() and all(p is entries.positions[0] for p in entries.positions)
 
 
+def test_streaming_decode_steps_run_in_place_on_one_live_layer():
+    """Each StreamingLLM decode step over budget after the first runs in place on the request's live decision
+    layer (its free slot the engine's hole: no resume, sort or search) and decides what a layer resumed from the
+    positions decides (the general path, taken when the live layer is dropped)."""
+    import copy
+
+    method = method_for_vllm("streaming:budget=40:sink_size=2")
+    blocks = torch.tensor([3, 8, 1])
+    prompt = 2 * BS
+    caches, _ = request_caches(blocks, prompt, 2, torch.float32, seed=7)
+    entries = RequestEntries()
+    compact(caches, blocks, method, entries, forward_steps(0, prompt, prompt), prompt, prompt)
+    assert entries.live is None  # the prompt's end moved entries: no hole, no live layer
+    live = None
+    for end in range(prompt + 1, prompt + 30):
+        entries.fill_hole(end - 1)
+        general = copy.deepcopy(entries)
+        general.live = None
+        compact(caches, blocks, method, entries, forward_steps(end - 1, end, prompt), end, prompt)
+        compact([c.clone() for c in caches], blocks, method, general, forward_steps(end - 1, end, prompt), end, prompt)
+        assert entries.hole == general.hole is not None and torch.equal(entries.positions[0], general.positions[0])
+        assert entries.live is not None and (live is None or entries.live is live)  # the same layer, step after step
+        live = entries.live
+    kept = entries.positions[0].index_fill(-1, torch.tensor([entries.hole]), -1).sort(dim=-1).values[:, 1:]
+    assert kept.tolist() == [[0, 1] + list(range(end - 38, end))] * H  # the sinks and the last 38
+
+
 def reference_kept(method, layers, prompt):
     """TrimCache on one layer at a time, as model.generate runs it: the prompt in one forward that ends it, the
     tokens after it (a recomputed request's) as an append. Kept positions (h, n_keep) per layer."""

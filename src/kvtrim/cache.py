@@ -56,7 +56,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvtrim.methods.base import EvictionMethod, EvictOne, KvtrimError, LayerView, Phase, check
 from kvtrim.methods.full import FullCache
 from kvtrim.padded_batch import PaddedBatch, PerSequence
-from kvtrim.storage import DenseKV, as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
+from kvtrim.storage import DenseKV, SlotKV, as_keep, flat_rows, select_rows, switch  # flat_rows, select_rows: importable from here
 from kvtrim.stored_layer import StoredLayer
 
 __all__ = ["CacheStats", "TrimCache", "TrimLayer", "flat_rows", "record_padding_mask", "select_rows",
@@ -168,17 +168,25 @@ class TrimLayer(StoredLayer):
             self.seq, self.state = PaddedBatch.start(self.method, self.layer_idx, key_states.shape[0]), None
 
     def resume(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seen: int,
-               prompt_tokens: int | None, state: Any) -> None:
+               prompt_tokens: int | None, state: Any, free_slot: int | None = None) -> None:
         """Start this new layer from entries kept elsewhere, as if it had seen `seen` tokens and kept these:
         `keys`, `values` `(batch, kv_heads, n, head_dim)` at `positions` `(batch, kv_heads, n)` (ascending per
         head), the prompt's length once it ended, and the method's per-layer `state` (kvtrim's vLLM worker
-        resumes a request this way from its blocks at each of its compactions). Dense storage."""
+        resumes a request this way from its blocks at each of its compactions). Dense storage.
+
+        In slot order instead (positions in any order) when the layer's next forward is a single-token decode
+        step that runs in place (`in_place_decode`: in-place layers hold their entries in slot order), with
+        `free_slot`: the slot (the same in every row) whose entry is gone, where that step's entry is written
+        (kvtrim's vLLM worker resumes a StreamingLLM request this way at the hole its last step left)."""
         check(not self.is_initialized, "only a new cache layer can resume from kept entries")
         check(keys.shape == values.shape[:-1] + keys.shape[-1:] and positions.shape == keys.shape[:-1],
               f"resume: keys {tuple(keys.shape)}, values {tuple(values.shape)} and positions "
               f"{tuple(positions.shape)} do not describe the same entries")
         self.device, self.is_initialized = keys.device, True
-        self.kv = DenseKV(keys, values, positions)
+        if free_slot is None:
+            self.kv = DenseKV(keys, values, positions)
+        else:
+            self.kv = SlotKV(keys, values, positions, torch.full(keys.shape[:2], free_slot, device=keys.device))
         self.seen, self.prompt_tokens, self.state = seen, prompt_tokens, state
         self.peak = keys.shape[-2]
 

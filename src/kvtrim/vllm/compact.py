@@ -301,6 +301,10 @@ class RequestEntries:
     #: a slot below `m` whose entry the last compaction evicted without moving another into it (the same in
     #: every layer and KV head): the next token is written there (`fill_hole`), not after the stored entries
     hole: int | None = None
+    #: a positions-only method's decision layer after a decode step that left a hole (`TrimCache` of one layer
+    #: on stand-in keys in slot order, its free slot the hole: `_live_layer`): the next decode step runs on it
+    #: in place instead of on a layer resumed from the positions; any other compaction drops it
+    live: TrimCache | None = None
 
     @property
     def m(self) -> int:
@@ -464,10 +468,11 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     states = entries.states or [None] * n_layers
     forward = old, told, steps, prompt_tokens  # what `_decide` needs of the forward besides the entries
     hole = None
+    live, entries.live = entries.live, None  # kept only by a decode step that leaves a hole again
     if not method.waits_for_attention and method.positions_only and all(
             p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
-        n_keep, positions, state, hole = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
-                                                                 states[0], forward)
+        n_keep, positions, state, hole, live = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
+                                                                       states[0], forward, live)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
@@ -509,28 +514,72 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     check(len(kept_counts) == 1,
           f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")
     entries.positions, entries.seen, entries.states, entries.hole = new_positions, end, new_states, hole
+    entries.live = live if hole is not None else None
     return end - kept_counts.pop()
 
 
-def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_positions: torch.Tensor, state: Any, forward: tuple):
+def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_positions: torch.Tensor, state: Any,
+                            forward: tuple, live: TrimCache | None = None):
     """`compact` for a positions-only method whose layers hold the same positions `(h, stored)`: one decision on
-    stand-in keys, the same moves in every layer (or a hole: `compact`). Returns the kept count, the new positions
-    `(h, slots)`, the method's state and the hole (or None)."""
-    cache = TrimCache(method, in_place_decode=False)
-    layer, kept, n_keep = _decide(cache, 0, None, None, slot_positions[None], *forward, state)
-    kept, stored = kept[0], slot_positions.shape[-1]
+    stand-in keys, the same moves in every layer (or a hole: `compact`). A decode step of a method that decides
+    in place (`in_place_decode`: StreamingLLM `budget=`) runs in place on the request's `live` layer, or on one
+    resumed in slot order (`_live_layer`): no sort, no search, and a step that evicts one entry from the same
+    slot of every KV head leaves that slot free in the layer as the engine leaves it as a hole (any other
+    outcome is decided again the general way). Returns the kept
+    count, the new positions `(h, slots)`, the method's state, the hole (or None) and the live layer to keep."""
+    stored = slot_positions.shape[-1]
+    live = _live_layer(method, live, slot_positions, state, forward)
+    if live is not None:
+        layer = live.layers[0]
+        with live.phase(Phase.DECODE):
+            live.update(*torch.zeros(2, 1, slot_positions.shape[0], 1, 1), 0)  # the step's token, where the engine wrote it
+        free = getattr(layer.kv, "free_slots", None)
+        if free is not None and bool((free == free[0, 0]).all()):  # one entry left, the same slot in every head
+            return stored - 1, layer.kv.positions[0], layer.state, int(free[0, 0]), live
+        # anything else: decided again below, the general way (the live layer held stand-ins, and no state)
+    layer, kept, n_keep = _decide(TrimCache(method, in_place_decode=False), 0, None, None, slot_positions[None],
+                                  *forward, state)
+    kept = kept[0]
     lost = (~kept).nonzero()  # (evicted, 2): (head, slot), head-major
     if _leaves_hole(forward[2]) and n_keep == stored - 1 and bool((lost[:, 1] == lost[0, 1]).all()):
         # one entry left, from the same slot in every KV head (and layer): nothing moves, the next token is
         # written there (the worker's `fill_hole`)
-        return n_keep, slot_positions, layer.state, int(lost[0, 1])
+        return n_keep, slot_positions, layer.state, int(lost[0, 1]), None
     heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
     if heads.numel():
         block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
         source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
         for kv in kv_caches:
             move_entries(kv, heads, source, target)
-    return n_keep, slot_positions.gather(-1, order), layer.state, None
+    return n_keep, slot_positions.gather(-1, order), layer.state, None, None
+
+
+def _live_layer(method: EvictionMethod, live: TrimCache | None, slot_positions: torch.Tensor, state: Any,
+                forward: tuple) -> TrimCache | None:
+    """The one-layer cache a positions-only method's single decode step runs on in place
+    (`_compact_positions_only`), or None for any other step or method: `live`, when its layer is where the
+    engine is (it has seen the tokens before the step and its free slot is where the engine wrote the step's
+    token), else one resumed from the request's positions `(h, stored)` in slot order on stand-in keys (the
+    slot the step's token took free)."""
+    old, told, steps, prompt_tokens = forward
+    if not (method.in_place_decode and state is None and steps == [(Phase.DECODE, False, 1)]):
+        return None  # (a stateless method: a step the live layer cannot take is decided again from the positions)
+    h, stored = slot_positions.shape
+    if live is not None:
+        layer = live.layers[0]
+        free = getattr(layer.kv, "free_slots", None)
+        if (layer.seen == told and free is not None and layer.kv.positions.shape[-1] == stored
+                and bool((slot_positions[:, int(free[0, 0])] == told).all())):
+            return live
+    at = int((slot_positions[0] == told).nonzero()[0, 0])  # the step's token's slot (the same in every head)
+    n = stored if at < stored - 1 else stored - 1  # a hole it filled stays in the layer, free; else it comes last
+    cache = TrimCache(method)
+    layer = TrimLayer(method, 0, owner=cache)
+    cache.layers.append(layer)
+    keys = torch.zeros(1, h, n, 1)
+    layer.resume(keys, torch.zeros_like(keys), slot_positions[None, :, :n].clone(), told, prompt_tokens, state,
+                 at if n == stored else None)
+    return cache
 
 
 #: layers a `layers_alike` method decides as one batch (`compact`): one run of the method per group instead of
