@@ -419,6 +419,10 @@ class ScoringMethod(EvictionMethod):
     compression_ratio: float | None = None
 
     size_params: ClassVar[tuple[str, ...]] = ("budget", "compression_ratio")
+    #: True for a method fed attention whose kept counts still follow the base's rule (`target` on the stored
+    #: count) whatever the attention says: attention picks which entries stay, never how many (SnapKV, TOVA,
+    #: H2O). `peak_stored` is then the base's, and kvtrim's vLLM scheduler counts it without running it.
+    counts_ignore_attention: ClassVar[bool] = False
     #: why scores cannot be compared across KV heads, when they cannot (TOVA: one set shared by all heads;
     #: LagKV's global mode: per-partition ranks, the same in every head); head-wise allocation (AdaKV)
     #: refuses such methods with this reason. None: comparable.
@@ -522,9 +526,9 @@ class ScoringMethod(EvictionMethod):
         # the base's rule (`target`): the prompt ends at its budget; decoding grows the layer to
         # `budget + decode_slack` before it evicts, or to the end when decoding never evicts. A subclass
         # that decides when to evict itself (its own `target` / hooks) says nothing (`counts_by_schedule`),
-        # unless it says it follows the rule (SnapKV, TOVA, H2O: their counts follow it, fed attention or not; checked
-        # against a run with attention in tests/test_peak_stored.py).
-        if not self.counts_by_schedule():
+        # unless it says it follows the rule (`counts_ignore_attention`: SnapKV, TOVA, H2O; checked against a
+        # run with attention in tests/test_peak_stored.py).
+        if not (self.counts_by_schedule() or self.counts_ignore_attention):
             return None
         return self._scheduled_peak(prompt_tokens, total_tokens)
 

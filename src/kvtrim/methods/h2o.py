@@ -138,6 +138,7 @@ class H2O(ScoringMethod):
     needs_attention = True
     attention_only_decode = True
     in_place_decode = True
+    counts_ignore_attention = True  # its accumulated attention picks which entries, its budget how many
     size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")
 
     heavy_budget: int | None = None
@@ -176,6 +177,7 @@ class H2O(ScoringMethod):
         return sum(self.budgets()) if self.compression_ratio is None else None
 
     def peak_stored(self, prompt_tokens, total_tokens):  # the base's rule on its own budget (heavy + recent)
+        # (`counts_ignore_attention` alone would size a heavy + recent budget as a ratio's: its own sizing here)
         return self._scheduled_peak(prompt_tokens, total_tokens, sum(self.budgets(prompt_tokens)))
 
     def schedule(self):

@@ -95,6 +95,7 @@ class SnapKV(ScoringMethod):
     name = "snapkv"
     summary = "observation-window attention, pooled, once after the prompt (SnapKV); needs kvtrim attention"
     needs_queries = True
+    counts_ignore_attention = True  # its queries pick which entries, the schedule how many
 
     window: int = 32
     kernel: int = 7
@@ -115,9 +116,6 @@ class SnapKV(ScoringMethod):
 
     def schedule(self):
         return Schedule(prefill="block", block_size=self.block_size) if self.budget is not None else Schedule()
-
-    def peak_stored(self, prompt_tokens, total_tokens):  # its counts follow the base's rule (fed queries or not)
-        return self._scheduled_peak(prompt_tokens, total_tokens)
 
     def prompt_queries(self):
         return self.window

@@ -53,6 +53,7 @@ class TOVA(ScoringMethod):
     needs_attention = True
     attention_only_decode = True
     in_place_decode = True  # the default `evicted_slot`: the lowest score, ties -> the latest position
+    counts_ignore_attention = True  # attention picks which entries, the schedule how many
     headwise_refusal = "it scores one set of entries shared by all heads (nothing to allocate)"
 
     def schedule(self):
@@ -61,9 +62,6 @@ class TOVA(ScoringMethod):
 
     def layers_alike(self):  # each layer from its own attention; state per batch row
         return True
-
-    def peak_stored(self, prompt_tokens, total_tokens):  # its counts follow the base's rule
-        return self._scheduled_peak(prompt_tokens, total_tokens)
 
     def prompt_queries(self):
         return 1  # a deferred prompt end (ratio mode) scores with the prompt's last query

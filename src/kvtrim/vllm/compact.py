@@ -14,7 +14,8 @@ then evict: vLLM attended to everything before the compaction runs.
 Two things follow a request through its forwards:
 
 * `StoredCounts` (the scheduler: the one authority for counts): the method's own `target` on the counts
-  when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm: no tensors, ~20 µs a step), else the
+  when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm, and SnapKV, TOVA, H2O, whose attention
+  picks only which entries: no tensors, ~10 µs a step), else the
   method run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores
   after each forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on token counts
   only (`kvtrim.vllm.spec`), so the scheduler frees blocks by these counts and tells the worker, with each
@@ -155,13 +156,19 @@ class _Counts:
 class StoredCounts:
     """How many entries a request stores under `method`, from its token counts alone (module docstring).
     A method whose counts follow its schedule (`ScoringMethod.counts_by_schedule`: KeyDiff, StreamingLLM,
-    KNorm) is counted without keys (its `target` on the counts), one whose count is a function of the tokens
-    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys (a method that
-    needs queries, SnapKV, gets stand-in queries at the prompt's end, as the worker hands it the real ones)."""
+    KNorm; or `counts_ignore_attention`: SnapKV, TOVA, H2O, whose attention picks which entries, never how
+    many) is counted without keys (its `target` on the counts), one whose count is a function of the tokens
+    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys (LazyEviction, a
+    method with `skip_layers`; one fed attention gets stand-in queries and probabilities, as the worker hands
+    it the real ones)."""
 
     def __init__(self, method: EvictionMethod):
         self.method = method
-        self.by_count = isinstance(method, ScoringMethod) and method.counts_by_schedule()
+        self.by_count = isinstance(method, ScoringMethod) and (method.counts_by_schedule()
+                                                               or method.counts_ignore_attention)
+        #: a method with a per-layer state (H2O's accumulated attention) changes it at every forward it is told:
+        #: counted by schedule, each such forward is due (the worker runs it and carries the state)
+        self.stateful = self.by_count and method.new_state(0) is not None
         #: counted by `stored_after` (LagKV's reference mode): the count is a function of the tokens seen
         self.by_length = not self.by_count and method.stored_after(0) is not None
         self.seen = self.stored = 0
@@ -202,7 +209,7 @@ class StoredCounts:
         return self.stored < stored
 
     def _count(self, steps: list[Step]) -> bool:
-        due = False
+        due = self.stateful and bool(steps)
         for phase, ends, q in steps:
             self.seen += q
             self.stored += q
