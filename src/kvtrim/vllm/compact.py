@@ -15,7 +15,7 @@ Two things follow a request through its forwards:
 
 * `StoredCounts` (the scheduler: the one authority for counts): the method's own `target` on the counts
   when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm, and SnapKV, TOVA, H2O, whose attention
-  picks only which entries: no tensors, ~10 µs a step), else the
+  picks only which entries: no tensors, 7-21 µs a step), else the
   method run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores
   after each forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on token counts
   only (`kvtrim.vllm.spec`), so the scheduler frees blocks by these counts and tells the worker, with each
