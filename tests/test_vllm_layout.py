@@ -12,11 +12,12 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
 import kvtrim.vllm.compact as compact_module  # noqa: E402
-from kvtrim.vllm.compact import (RequestEntries, StoredCounts, block_end, compact, fill_holes,  # noqa: E402
+from kvtrim.vllm.compact import (RequestEntries, StoredCounts, compact, fill_holes,  # noqa: E402
                                  forward_steps)
 from kvtrim.vllm.layout import (check_isa, move_entries, read_request, slot_places,  # noqa: E402
                                 write_entries)
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
+from test_vllm_counts import block_forwards  # noqa: E402
 
 BS, H, D, NB = 32, 3, 64, 12
 
@@ -292,11 +293,7 @@ def test_prompt_block_compactions_keep_trimcache_positions(spec, chunk, dtype):
     originals = [((torch.randn(H, total, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(H, total, D).to(dtype))
                  for _ in range(n_layers)]
     caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
-    forwards, start = [], 0
-    while start < prompt:
-        forwards.append((start, min(start + chunk, block_end(start, prompt, block))))
-        start = forwards[-1][1]
-    forwards += [(t, t + 1) for t in range(prompt, total)]
+    forwards = block_forwards(prompt, total, block, chunk)  # vLLM's chunks cut at the block ends, then one token each
     counts, entries, gone, prompt_compactions = StoredCounts(method), RequestEntries(), 0, 0
     for start, end in forwards:  # each forward writes its tokens at the slots after the stored entries
         slots = request_slots(blocks, end - gone)[start - gone:]
@@ -374,11 +371,7 @@ def test_snapkv_prompt_blocks_get_each_blocks_queries(spec, chunk, dtype):
     originals = [(torch.randn(H, total, D).to(dtype), torch.randn(H, total, D).to(dtype)) for _ in range(n_layers)]
     queries = [torch.randn(3 * H, total, D).to(dtype) for _ in range(n_layers)]
     caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
-    forwards, start = [], 0
-    while start < prompt:
-        forwards.append((start, min(start + chunk, block_end(start, prompt, block))))
-        start = forwards[-1][1]
-    forwards += [(t, t + 1) for t in range(prompt, total)]
+    forwards = block_forwards(prompt, total, block, chunk)  # vLLM's chunks cut at the block ends, then one token each
     counts, entries, gone, compactions = StoredCounts(method), RequestEntries(), 0, 0
     for start, end in forwards:
         slots = request_slots(blocks, end - gone)[start - gone:]

@@ -428,14 +428,21 @@ def cmd_eval(args) -> int:
         if not args.quiet:  # rates probed on the model as loaded (a few seconds)
             print(_estimate(jobs, out, settings, tok, config, model=model), flush=True)
         runner = Runner(model, tok, settings, out, progress=not args.quiet)
+    return _report(_run_logged(runner, jobs, out, args, start, cpu_start), cfg, args, len(samples))
+
+
+def _run_logged(runner, jobs, out: str, args, start: float, cpu_start: float) -> list[dict]:
+    """`runner.run(jobs)` (in-process, Ray or a server), its invocation logged from `start` / `cpu_start` on
+    whether it finishes or is interrupted (`_log_invocation`: a Ray sweep's workers, a server's URL)."""
     finished = False
     try:
         rows = runner.run(jobs)
         finished = True
     finally:
         _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
-                        interrupted=not finished, ray=getattr(runner, "summary", None), batch_size=args.batch_size)
-    return _report(rows, cfg, args, len(samples))
+                        interrupted=not finished, ray=getattr(runner, "summary", None), batch_size=args.batch_size,
+                        server=args.server)
+    return rows
 
 
 def _eval_on_server(cfg: dict, args, tok, samples) -> int:
@@ -464,14 +471,7 @@ def _eval_on_server(cfg: dict, args, tok, samples) -> int:
     if not args.quiet:
         print(runner.line(jobs), flush=True)
     start, cpu_start = time.perf_counter(), time.process_time()
-    finished = False
-    try:
-        rows = runner.run(jobs)
-        finished = True
-    finally:
-        _log_invocation(out, time.perf_counter() - start, time.process_time() - cpu_start, runner.rows_written,
-                        interrupted=not finished, batch_size=args.batch_size, server=args.server)
-    return _report(rows, cfg, args, len(samples))
+    return _report(_run_logged(runner, jobs, out, args, start, cpu_start), cfg, args, len(samples))
 
 
 def _report(rows: list[dict], cfg: dict, args, n_samples: int) -> int:
