@@ -474,12 +474,12 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
     states = entries.states or [None] * n_layers
     forward = old, told, steps, prompt_tokens  # what `_decide` needs of the forward besides the entries
-    hole = None
-    live, entries.live = entries.live, None  # kept only by a decode step that leaves a hole again
+    hole = live = None
+    previous_live, entries.live = entries.live, None  # kept only by a decode step that leaves a hole again
     if not method.waits_for_attention and method.positions_only and all(
             p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
         n_keep, positions, state, hole, live = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
-                                                                       states[0], forward, live)
+                                                                       states[0], forward, previous_live)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
@@ -521,7 +521,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     check(len(kept_counts) == 1,
           f"{type(method).__name__} kept different numbers of entries per layer ({sorted(kept_counts)})")
     entries.positions, entries.seen, entries.states, entries.hole = new_positions, end, new_states, hole
-    entries.live = live if hole is not None else None
+    entries.live = live
     return end - kept_counts.pop()
 
 
@@ -568,7 +568,7 @@ def _live_layer(method: EvictionMethod, live: TrimCache | None, slot_positions: 
     engine is (it has seen the tokens before the step and its free slot is where the engine wrote the step's
     token), else one resumed from the request's positions `(h, stored)` in slot order on stand-in keys (the
     slot the step's token took free)."""
-    old, told, steps, prompt_tokens = forward
+    _, told, steps, prompt_tokens = forward
     if not (method.in_place_decode and state is None and steps == [(Phase.DECODE, False, 1)]):
         return None  # (a stateless method: a step the live layer cannot take is decided again from the positions)
     h, stored = slot_positions.shape
