@@ -15,6 +15,9 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, comput
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvtrim.methods.base import KvtrimError  # noqa: E402
+from kvtrim.vllm import layout as cpu_vec  # noqa: E402
+from kvtrim.vllm import layout_flash  # noqa: E402
+from kvtrim.vllm.block_layout import BlockLayout, block_layout  # noqa: E402
 from kvtrim.vllm.layout_flash import (check_views, move_entries, read_request, request_key_logits,  # noqa: E402
                                       slot_places, write_entries)
 from test_vllm_layout import BS, D, H, NB, request_slots  # noqa: E402
@@ -180,3 +183,22 @@ def test_check_views_refuses_kernel_blocks_in_one_line():
     with pytest.raises(KvtrimError, match="uint8"):
         check_views([torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8)], NB, BS)
     check_views(Pool(KVCacheLayout.LBHNC, torch.bfloat16).views, NB, BS)
+
+
+# ---- the chooser -------------------------------------------------------------------------------------------
+
+def test_the_chooser_picks_the_layout_module():
+    assert block_layout("CPU_ATTN", isa="vec") is cpu_vec
+    for member in KVCacheLayout:  # a layout a later vLLM adds is refused until tested here
+        assert block_layout("FLASH_ATTN", kv_cache_layout=member) is layout_flash
+        assert block_layout("FLASHINFER", kv_cache_layout=member.name) is layout_flash
+    assert isinstance(cpu_vec, BlockLayout) and isinstance(layout_flash, BlockLayout)
+
+
+@pytest.mark.parametrize("backend, options", [("TRITON_ATTN", {}), ("FLEX_ATTENTION", {"kv_cache_layout": "LBNHC"}),
+                                              ("CPU_ATTN", {"isa": "amx"}), ("CPU_ATTN", {}),
+                                              ("FLASH_ATTN", {}), ("FLASHINFER", {"kv_cache_layout": "NHD"})])
+def test_the_chooser_refuses_anything_else_in_one_line(backend, options):
+    with pytest.raises(KvtrimError) as refused:
+        block_layout(backend, **options)
+    assert "\n" not in str(refused.value)
