@@ -18,9 +18,13 @@ from kvtrim.methods.base import KvtrimError  # noqa: E402
 from kvtrim.vllm import layout as cpu_vec  # noqa: E402
 from kvtrim.vllm import layout_flash  # noqa: E402
 from kvtrim.vllm.block_layout import BlockLayout, block_layout  # noqa: E402
+from kvtrim.vllm.compact import (RequestEntries, StoredCounts, add_prompt_sums, compact,  # noqa: E402
+                                 forward_steps)
 from kvtrim.vllm.layout_flash import (check_views, move_entries, read_request, request_key_logits,  # noqa: E402
                                       slot_places, write_entries)
-from test_vllm_layout import BS, D, H, NB, request_slots  # noqa: E402
+from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums  # noqa: E402
+from test_vllm_counts import block_forwards  # noqa: E402
+from test_vllm_layout import BS, D, H, NB, kernel_write, request_slots  # noqa: E402
 
 LAYOUTS = list(KVCacheLayout)
 LAYERS = 3
@@ -202,3 +206,83 @@ def test_the_chooser_refuses_anything_else_in_one_line(backend, options):
     with pytest.raises(KvtrimError) as refused:
         block_layout(backend, **options)
     assert "\n" not in str(refused.value)
+
+
+# ---- the compaction on a flash cache -----------------------------------------------------------------------
+
+def drive(method, layout, caches, write, blocks, originals, queries, prompt, block):
+    """One request as the worker drives it (tests/test_vllm_layout.py): its prompt in one forward (or in vLLM
+    chunks cut at the method's prompt block ends), then one token a forward; each forward's tokens written by
+    `write(layer, keys, values, slots)` after what the request stores, or into the hole; the due forwards
+    compacted with each layer's queries (prompt block tails, then the steps after the prompt). Returns the
+    request's entries and its discarded count."""
+    total, scales = originals[0][0].shape[1], [0.125] * len(caches)
+    forwards = block_forwards(prompt, total, block or prompt, 64)
+    counts, entries, gone = StoredCounts(method), RequestEntries(), 0
+    for start, end in forwards:
+        hole = entries.fill_hole(start)
+        slots = request_slots(blocks, end - gone)[start - gone:] if hole is None else request_slots(blocks, hole + 1)[-1:]
+        for layer, (k, v) in enumerate(originals):
+            write(layer, k[:, start:end].transpose(0, 1).contiguous(), v[:, start:end].transpose(0, 1).contiguous(), slots)
+        steps = forward_steps(start, end, prompt, block)
+        if not (steps and counts.advance(steps)):
+            continue
+        tail, sums = None, None
+        if start < prompt and prompt_sums(method):
+            sums = [torch.zeros(H, prompt) for _ in caches]
+            for c in range(0, prompt, 16):  # H2O: its prompt's attention sums, prefill chunk by chunk
+                add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c, scales,
+                                method.prefill_block, layout=layout)
+        elif start < prompt and prompt_queries(method):
+            w = min(prompt_queries(method), steps[0][2])
+            tail = [q[:, end - w:end] for q in queries]
+        last = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None
+        gone = compact(caches, blocks, method, entries, steps, end, prompt, tail, scales, last, sums, layout=layout)
+        assert gone == counts.discarded
+    return entries, gone
+
+
+def stored_slots(entries, layer, total):
+    """The positions `(H, slots)` a layer's stored slots hold (-1: the hole)."""
+    tail = torch.arange(entries.seen, total).expand(H, -1)
+    return torch.cat([entries.slots(layer), tail], dim=-1)
+
+
+@pytest.mark.parametrize("spec", ["streaming:budget=40", "keydiff:budget=40:block_size=16",
+                                  "snapkv:compression_ratio=0.5:window=8", "tova:budget=40", "h2o:budget=40"])
+@pytest.mark.parametrize("layout, dtype", [(KVCacheLayout.LBNHC, torch.float32), (KVCacheLayout.LBNHC, torch.bfloat16),
+                                           (KVCacheLayout.LBHNC, torch.bfloat16), (KVCacheLayout.BHLNC, torch.float32)])
+def test_compaction_on_a_flash_cache_keeps_what_it_keeps_on_the_cpu_layout(spec, layout, dtype):
+    """The same request, the same keys, values and queries, on vLLM's CPU "vec" cache (written by vLLM's kernel)
+    and on a flash cache (the reference writer): every compaction discards as many entries, each layer and KV
+    head keeps the same positions in the same slots, and the flash cache holds exactly those tokens' keys and
+    values (StreamingLLM: moves and holes; KeyDiff: prompt blocks, batched; SnapKV: layer by layer; TOVA: decode
+    steps from the key logits alone; H2O: prompt sums). The layout functions meet every layout and dtype above:
+    here NHD, HND and a block-outermost layout, to keep the run short."""
+    method = method_for_vllm(spec)
+    prompt, new = 2 * BS + 5, 16
+    total = prompt + new
+    blocks = torch.tensor([9, 4, 11, 0, 7, 2])
+    torch.manual_seed(4)
+    originals = [tuple(t.transpose(0, 1) for t in random_tokens(total, dtype)) for _ in range(LAYERS)]
+    queries = [(torch.randn(2 * H, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(LAYERS)]
+    vec = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(LAYERS)]
+    pool = Pool(layout, dtype)
+    block = method.prefill_block_size()
+    want, want_gone = drive(method, cpu_vec, vec, lambda i, k, v, s: kernel_write(vec[i], k, v, s), blocks, originals,
+                            queries, prompt, block)
+    got, got_gone = drive(method, layout_flash, pool.views, lambda i, k, v, s: pool.write_tokens(i, k, v, s), blocks,
+                          originals, queries, prompt, block)
+    assert got_gone == want_gone > 0 and got.hole == want.hole
+    moved = False
+    for layer, (k, v) in enumerate(originals):
+        slots = stored_slots(got, layer, total)
+        assert torch.equal(slots, stored_slots(want, layer, total))
+        moved |= not torch.equal(slots, slots.sort(dim=-1).values)
+        real = slots[0] >= 0  # the same in every head
+        got_k, got_v = read_request(pool.views[layer], blocks, slots.shape[-1])
+        want_k, want_v = cpu_vec.read_request(vec[layer], blocks, slots.shape[-1])
+        assert torch.equal(got_k[:, real], want_k[:, real]) and torch.equal(got_v[:, real], want_v[:, real])
+        index = slots[:, real, None].expand(-1, -1, D)
+        assert torch.equal(got_k[:, real], k.gather(1, index)) and torch.equal(got_v[:, real], v.gather(1, index))
+    assert moved  # the compactions moved entries (not a run that kept everything in place)

@@ -48,7 +48,9 @@ from kvtrim.attention import attend_with_probabilities, softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, ScoringMethod, check
 from kvtrim.methods.h2o import prompt_attention_sums
-from kvtrim.vllm.layout import move_entries, read_request, request_key_logits, slot_places, write_entries
+from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm.block_layout import BlockLayout
+from kvtrim.vllm.layout import slot_places
 
 #: the attribute of a step's `ModelRunnerOutput` where the worker hands the scheduler the requests whose
 #: compaction failed (req_id -> why, one line): the scheduler ends them with an error
@@ -351,15 +353,17 @@ def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
-                    queries: list[torch.Tensor], computed: int, scales: list[float], block: int) -> None:
+                    queries: list[torch.Tensor], computed: int, scales: list[float], block: int,
+                    layout: BlockLayout = cpu_vec) -> None:
     """Add to each layer's `sums` `(kv_heads, prompt)` float32 the column sums of the causal attention of a prefill
     chunk's queries `(q_heads, rows, head_dim)` (positions `computed .. computed + rows - 1`) over the request's
     keys up to the chunk's last position, by H2O's own rule (`prompt_attention_sums`, in blocks of `block` query
     rows). The sums are additive over query rows: chunk by chunk they are the whole prompt's, without holding its
-    queries. Nothing is compacted before such a prompt ends (it is one block): entry `i` is token `i`."""
+    queries. Nothing is compacted before such a prompt ends (it is one block): entry `i` is token `i`. `layout`:
+    how the caches store their blocks (`kvtrim.vllm.block_layout`)."""
     visible = computed + queries[0].shape[1]
     for kv, q, scale, total in zip(kv_caches, queries, scales, sums):
-        keys = read_request(kv, block_ids, visible)[0]  # (kv_heads, visible, head_dim)
+        keys = layout.read_request(kv, block_ids, visible)[0]  # (kv_heads, visible, head_dim)
         total[:, :visible] += prompt_attention_sums(q[None], keys[None], scale, block)[0]
 
 
@@ -443,7 +447,8 @@ def _hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor,
 def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: EvictionMethod,
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
             queries: list[torch.Tensor] | None = None, scales: list[float] | None = None,
-            last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None) -> int:
+            last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None,
+            layout: BlockLayout = cpu_vec) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -465,7 +470,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
     head_dim)`: the queries of its tokens after the prompt, from which `_decide` computes a decode step's
     probabilities. H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
-    of queries: its prompt's attention column sums, which the worker adds up chunk by chunk."""
+    of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
+
+    `layout`: how the caches store their blocks (`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
     told = end - sum(q for _, _, q in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
@@ -479,7 +486,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     if not method.waits_for_attention and method.positions_only and all(
             p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
         n_keep, positions, state, hole, live = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
-                                                                       states[0], forward, previous_live)
+                                                                       states[0], forward, previous_live, layout)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
@@ -493,12 +500,12 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             if lean:
                 n_keep, positions, state = _compact_decode_step(method, kv_caches[group], block_ids,
                                                                 slot_positions[group], states[first], forward,
-                                                                last[group], scales[first])
+                                                                last[group], scales[first], layout)
             else:
                 n_keep, positions, state = _compact_as_one_batch(
                     method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
                     None if queries is None else queries[group], None if scales is None else scales[first],
-                    None if last is None else last[group], None if sums is None else sums[group])
+                    None if last is None else last[group], None if sums is None else sums[group], layout)
             new_positions += positions
             new_states += [state] * len(positions)  # the group's state (batch row i: its layer i), shared
             kept_counts.add(n_keep)
@@ -506,7 +513,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         new_positions, new_states, kept_counts = [], [], set()
         cache = TrimCache(method, in_place_decode=False)
         for idx, kv in enumerate(kv_caches):
-            keys, values = read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
+            keys, values = layout.read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
             layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
                                           states[idx], None if queries is None else queries[idx][None],
                                           None if scales is None else scales[idx],
@@ -514,7 +521,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
                                           sums=None if sums is None else sums[idx][None])
             heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
-                write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
+                layout.write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
             new_positions.append(slot_positions[idx].gather(-1, order))
             kept_counts.add(n_keep)
             new_states.append(layer.state)
@@ -526,7 +533,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
 
 
 def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_positions: torch.Tensor, state: Any,
-                            forward: tuple, live: TrimCache | None = None):
+                            forward: tuple, live: TrimCache | None = None, layout: BlockLayout = cpu_vec):
     """`compact` for a positions-only method whose layers hold the same positions `(h, stored)`: one decision on
     stand-in keys, the same moves in every layer (or a hole: `compact`). A decode step of a method that decides
     in place (`in_place_decode`: StreamingLLM `budget=`) runs in place on the request's `live` layer, or on one
@@ -557,7 +564,7 @@ def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_p
         block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
         source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
         for kv in kv_caches:
-            move_entries(kv, heads, source, target)
+            layout.move_entries(kv, heads, source, target)
     return n_keep, slot_positions.gather(-1, order), layer.state, None, None
 
 
@@ -597,14 +604,15 @@ LAYER_GROUP = 10
 
 def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
                           forward: tuple, queries: list[torch.Tensor] | None = None, scale: float | None = None,
-                          last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None):
+                          last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None,
+                          layout: BlockLayout = cpu_vec):
     """`compact` for a `layers_alike` method on some of a request's layers: their stored entries read, then decided
     as one batch (one run of the method instead of one per layer; a method fed attention gets each layer's
     `queries` and `last` as its batch row, with the layers' one softmax `scale`), then each layer's moves
     written. `state`: the group's, as the last batch left it (None at first). Returns the kept count, the new
     positions per layer `(h, slots)` and the method's state for the group."""
     stored = slot_positions[0].shape[-1]
-    reads = [read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
+    reads = [layout.read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
     keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
     positions = torch.stack(slot_positions)  # (layers, h, stored)
     cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
@@ -614,8 +622,8 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
                                   sums=None if sums is None else torch.stack(sums))
     moves, order = _fill_layers_holes(kept, n_keep)
     for idx, heads, from_slots, to_slots in moves:
-        write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
-                      values[idx, heads, from_slots])
+        layout.write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
+                             values[idx, heads, from_slots])
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 
@@ -635,7 +643,7 @@ def _fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], to
 
 
 def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
-                         forward: tuple, last: list[torch.Tensor], scale: float):
+                         forward: tuple, last: list[torch.Tensor], scale: float, layout: BlockLayout = cpu_vec):
     """`compact` for one decode step of a method that reads only the step's attention probabilities there
     (`attention_only_decode`: TOVA, H2O, LazyEviction) on a group of layers, as one batch: only the keys are read
     (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
@@ -648,7 +656,8 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
     by_position = positions.argsort(dim=-1)
     # each query head reads its KV head's entries: in position order, that head's own order
     order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
-    probs = softmax_probabilities(request_key_logits(kv_caches, block_ids, stored, query).gather(-1, order), None, scale)
+    logits = layout.request_key_logits(kv_caches, block_ids, stored, query)
+    probs = softmax_probabilities(logits.gather(-1, order), None, scale)
     cache = TrimCache(method, in_place_decode=False)
     layer, kept, n_keep = _decide(cache, 0, None, None, positions, *forward, state, None, scale, query, probs,
                                   by_position)
@@ -657,8 +666,8 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
     moves, order = _fill_layers_holes(kept, n_keep)
     block_size = kv_caches[0].shape[2]
     for idx, heads, from_slots, to_slots in moves:
-        move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
-                     slot_places(block_ids, to_slots, block_size))
+        layout.move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
+                            slot_places(block_ids, to_slots, block_size))
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 
