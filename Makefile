@@ -10,12 +10,13 @@
 #                 needs a quiet machine; not part of `make test`). Extra flags: make bench-serving ARGS="--resume"
 #   make bench-serving-long - the long-generation load: short prompts, 2,000 output tokens each, methods at a
 #                 budget of 512 entries that evict while decoding (benchmarks/serving/README.md)
+#   make bench-serving-long-4000 - the same with 4,000 output tokens each (22 requests: two waves of kvtrim's 11)
 #   make bench-serving-long-prompt - ~7,000-token prompts on a pool of 2,048 tokens (plain vLLM refuses to
 #                 start so; KeyDiff reads the prompts in blocks under its budget)
 # `make test` also builds .venv-serve and runs the plugin's tests there (tests/test_vllm_*.py: vLLM pulls an
 # older transformers than kvtrim's core needs, so they run in their own environment).
 .PHONY: setup demo test test-fast test-slow serve-env serve bench-serving bench-serving-long \
-	bench-serving-long-prompt
+	bench-serving-long-4000 bench-serving-long-prompt
 
 VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_layout_flash.py tests/test_vllm_scheduler.py \
 	tests/test_vllm_server.py tests/test_vllm_attention.py tests/test_vllm_eval.py
@@ -46,6 +47,11 @@ LONG_METHODS = lazyeviction:budget=512,keydiff:budget=512,streaming:budget=512,l
 bench-serving-long: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-32 --requests 32 \
 		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
+
+LONG_4000_METHODS = streaming:budget=512,keydiff:budget=512,lagkv:keep_ratio=0.0625
+bench-serving-long-4000: setup serve-env
+	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-4000 --requests 22 \
+		--prompt-tokens 256 --max-tokens 4000 --max-model-len 4352 --blocks 56 --methods $(LONG_4000_METHODS) $(ARGS)
 
 LONG_PROMPT_METHODS = keydiff:budget=1024:block_size=256,keydiff:budget=512:block_size=256
 bench-serving-long-prompt: setup serve-env
