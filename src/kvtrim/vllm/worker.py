@@ -53,7 +53,8 @@ from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPla
                                  blocks_needed, compact, prompt_block, slots_held)
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
-from kvtrim.vllm.layout import check_isa
+from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm.block_layout import CPU_BACKEND, block_layout
 from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums
 from kvtrim.vllm.worker_check import check_vllm_version
 
@@ -88,6 +89,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_due: list[tuple] = []
         #: requests whose compaction failed in this step: req_id -> why (handed to the scheduler)
         self._kvtrim_failed: dict[str, str] = {}
+        #: how the KV caches store their blocks (`kvtrim.vllm.block_layout`), chosen in `initialize_kv_cache`
+        self._kvtrim_layout = cpu_vec
         #: compactions done and entries discarded (for logs and tests)
         self.kvtrim_compactions = 0
         self.kvtrim_evicted = 0
@@ -154,7 +157,9 @@ class TrimModelRunner(CPUModelRunner):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         spec = groups[0].kv_cache_spec
-        check_isa(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, self.cache_config.cache_dtype))
+        # the one layout this worker's compaction reads and writes (refused in one line unless it is known)
+        self._kvtrim_layout = block_layout(CPU_BACKEND, isa=_get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
+                                                                          self.cache_config.cache_dtype))
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         batch = self.input_batch
@@ -290,7 +295,8 @@ class TrimModelRunner(CPUModelRunner):
             h = self.kv_caches[0].shape[1]
             sums = self.kvtrim_prompt_sums[req_id] = [torch.zeros(h, state.num_prompt_tokens) for _ in self.kv_caches]
         add_prompt_sums(sums, self.kv_caches, torch.tensor(state.block_ids[0], dtype=torch.long),
-                        [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block)
+                        [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block,
+                        self._kvtrim_layout)
 
     def _compact(self, req_id: str, plan, end: int) -> None:
         """Compact request `req_id` as the scheduler's `plan` (a `Due`) says, after a forward that brought it
@@ -324,7 +330,7 @@ class TrimModelRunner(CPUModelRunner):
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
-                           queries, self.kvtrim_scales, last, sums)
+                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
