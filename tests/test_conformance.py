@@ -9,6 +9,7 @@ protocol, compress-once / ask-many, batches, one-shot vs block-wise prefill, siz
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -312,6 +313,41 @@ def test_every_layout_keeps_what_the_dense_layout_keeps(model, eager_model, tok,
     else:
         assert LAYOUTS[layout] in kinds, (method.describe(), kinds)
         assert layout == "slots" or set(kinds) == {RaggedKV}
+
+
+# ---- 6c. `reads_values = False`: kvtrim's vLLM worker hands such a method stand-in values -----------------
+def layer0_rows_per_step(model, method, tokens) -> list:
+    """Layer 0's kept positions after the prompt (`PROMPT` tokens of `tokens`) and after each later token, the
+    tokens fed as given (teacher forcing: the same inputs whatever the model predicts)."""
+    cache = kvtrim.TrimCache(method, config=model.config)
+    kvtrim.prefill(model, tokens[:, :PROMPT], cache)
+    seen = [rows(trim_layers(cache)[0])]
+    for i in range(PROMPT, tokens.shape[-1]):
+        model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+        seen.append(rows(trim_layers(cache)[0]))
+    return seen
+
+
+def other_values(model):
+    """A copy of `model` whose layer 0 has another value projection: its keys, queries and attention are the same,
+    its values differ."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.v_proj.weight.normal_(generator=torch.Generator().manual_seed(7))
+    return other
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not METHODS[n].reads_values] + ["lagkv", "valuenorm"])
+def test_a_method_declared_to_read_no_values_keeps_the_same_entries_whatever_they_are(model, eager_model, name):
+    """Every method that declares `reads_values = False` keeps, in layer 0, the same positions at the prompt's end
+    and at every decode step when only that layer's values change; LagKV and the README's ValueNorm (which read
+    values) are the control: the same protocol tells them apart."""
+    base = eager_model if METHODS[name].needs_attention else model
+    method = spec_for(name).build(PROMPT, 0.5)
+    tokens = ids(PROMPT + 3 * NEW, seed=41)
+    want, got = layer0_rows_per_step(base, method, tokens), layer0_rows_per_step(other_values(base), method, tokens)
+    assert (got == want) is (not METHODS[name].reads_values), method.describe()
+    assert len(want[-1][0][0]) < tokens.shape[-1], method.describe()  # it evicted: the check means something
 
 
 # ---- 7. bad parameters: one-line errors at construction ------------------------------------------------

@@ -14,7 +14,7 @@ from kvtrim import Phase, TrimCache  # noqa: E402
 import kvtrim.vllm.compact as compact_module  # noqa: E402
 from kvtrim.vllm.compact import (RequestEntries, StoredCounts, compact, fill_holes,  # noqa: E402
                                  forward_steps)
-from kvtrim.vllm.layout import (check_isa, move_entries, read_request, slot_places,  # noqa: E402
+from kvtrim.vllm.layout import (check_isa, move_entries, read_keys, read_request, slot_places,  # noqa: E402
                                 write_entries)
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 from test_vllm_counts import block_forwards  # noqa: E402
@@ -51,6 +51,7 @@ def test_read_what_the_kernel_wrote(dtype):
     kernel_write(cache, keys, values, request_slots(blocks, n))
     got_k, got_v = read_request(cache, blocks, n)
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
+    assert torch.equal(read_keys(cache, blocks, n), keys.transpose(0, 1))  # the keys alone
 
 
 def test_write_lays_out_as_the_kernel(dtype):

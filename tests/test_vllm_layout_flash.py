@@ -20,7 +20,7 @@ from kvtrim.vllm import layout_flash  # noqa: E402
 from kvtrim.vllm.block_layout import BlockLayout, block_layout  # noqa: E402
 from kvtrim.vllm.compact import (RequestEntries, StoredCounts, add_prompt_sums, compact,  # noqa: E402
                                  forward_steps)
-from kvtrim.vllm.layout_flash import (check_views, move_entries, read_request, request_key_logits,  # noqa: E402
+from kvtrim.vllm.layout_flash import (check_views, move_entries, read_keys, read_request, request_key_logits,  # noqa: E402
                                       slot_places, write_entries)
 from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums  # noqa: E402
 from test_vllm_counts import block_forwards  # noqa: E402
@@ -117,6 +117,7 @@ def test_read_what_the_reference_wrote(layout, dtype):
     got_k, got_v = read_request(pool.views[1], blocks, n)
     assert got_k.shape == got_v.shape == (H, n, D)
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
+    assert torch.equal(read_keys(pool.views[1], blocks, n), keys.transpose(0, 1))  # the keys alone
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

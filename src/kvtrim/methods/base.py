@@ -282,6 +282,10 @@ class EvictionMethod:
     #: shapes only): kvtrim's vLLM worker then reads only the keys the probabilities come from and hands the
     #: method stand-ins (TOVA, H2O, LazyEviction)
     attention_only_decode: ClassVar[bool] = False
+    #: False when the method's decisions never read `view.values` (KeyDiff, KNorm, SnapKV, TOVA, H2O,
+    #: LazyEviction, StreamingLLM: keys, queries, attention or positions only): kvtrim's vLLM worker then reads
+    #: no values for it and moves the kept entries inside the pool (tests/test_conformance.py checks it)
+    reads_values: ClassVar[bool] = True
 
     def __post_init__(self):
         owner = type(self).__name__

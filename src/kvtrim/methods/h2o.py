@@ -137,6 +137,7 @@ class H2O(ScoringMethod):
     needs_queries = True
     needs_attention = True
     attention_only_decode = True
+    reads_values = False
     in_place_decode = True
     counts_ignore_attention = True  # its accumulated attention picks which entries, its budget how many
     size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")

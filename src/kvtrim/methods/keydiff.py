@@ -105,6 +105,7 @@ class KeyDiff(ScoringMethod):
 
     name = "keydiff"
     summary = "key diversity: evict keys most similar to the mean key; attention-free, block-wise (KeyDiff)"
+    reads_values = False
 
     block_size: int = 128
     sink_size: int = 0

@@ -20,6 +20,7 @@ class KNorm(ScoringMethod):
 
     name = "knorm"
     summary = "keep the keys with the lowest L2 norm (KNorm); attention-free"
+    reads_values = False
 
     def layers_alike(self):
         return True

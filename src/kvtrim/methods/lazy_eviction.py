@@ -128,6 +128,7 @@ class LazyEviction(EvictionMethod):
     summary = "recurrence-interval tracking, evicts every W decode steps (LazyEviction); needs kvtrim attention"
     needs_attention = True
     attention_only_decode = True
+    reads_values = False
     size_params = ("budget",)
 
     budget: int | None = None

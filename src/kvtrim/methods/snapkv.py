@@ -95,6 +95,7 @@ class SnapKV(ScoringMethod):
     name = "snapkv"
     summary = "observation-window attention, pooled, once after the prompt (SnapKV); needs kvtrim attention"
     needs_queries = True
+    reads_values = False
     counts_ignore_attention = True  # its queries pick which entries, the schedule how many
 
     window: int = 32

@@ -40,6 +40,7 @@ class StreamingLLM(ScoringMethod):
     summary = "attention sinks + most recent tokens (StreamingLLM)"
     in_place_decode = True
     positions_only = True
+    reads_values = False
 
     sink_size: int = 4
 

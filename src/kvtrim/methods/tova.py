@@ -52,6 +52,7 @@ class TOVA(ScoringMethod):
     needs_queries = True
     needs_attention = True
     attention_only_decode = True
+    reads_values = False
     in_place_decode = True  # the default `evicted_slot`: the lowest score, ties -> the latest position
     counts_ignore_attention = True  # attention picks which entries, the schedule how many
     headwise_refusal = "it scores one set of entries shared by all heads (nothing to allocate)"

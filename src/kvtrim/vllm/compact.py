@@ -373,7 +373,8 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
             probs: torch.Tensor | None = None, by_position: torch.Tensor | None = None,
             sums: torch.Tensor | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
-    stored)`; the first `old` stored before this forward; keys None for a positions-only method): one layer's
+    stored)`; the first `old` stored before this forward; keys None for a positions-only method, values None for
+    one that reads none: stand-ins): one layer's
     (`b = 1`), or a request's layers as one batch (`layers_alike` methods), as a `TrimLayer` (index `idx`)
     resumed from them in position order and fed the forward's `steps`. Returns the layer, what it keeps as a
     slot mask `(b, h, stored)` and the kept count.
@@ -395,12 +396,15 @@ def _decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch
     if by_position is None:
         by_position = slot_positions.argsort(dim=-1)
     sorted_positions = slot_positions.gather(-1, by_position)
-    if keys is None:  # a positions-only method: stand-ins, it reads no keys or values
+    real = keys if keys is not None else values
+    if real is None:  # a positions-only method: stand-ins, it reads no keys or values
         keys = values = torch.zeros(1, 1, 1, 1).expand(b, h, stored, 1)
     else:  # whole rows: index_select is far faster than gather
         rows = (by_position + stored * torch.arange(b * h).view(b, h, 1)).flatten()
-        keys = keys.reshape(b * h * stored, -1).index_select(0, rows).view(b, h, stored, -1)
-        values = values.reshape(b * h * stored, -1).index_select(0, rows).view(b, h, stored, -1)
+        # stand-in values (of the keys' dtype) for a method that reads none (`reads_values`)
+        keys, values = (torch.zeros(1, 1, 1, 1, dtype=real.dtype).expand(b, h, stored, 1) if t is None
+                        else t.reshape(b * h * stored, -1).index_select(0, rows).view(b, h, stored, -1)
+                        for t in (keys, values))
     layer = TrimLayer(cache.method, idx, owner=cache, in_place_decode=False)
     cache.layers.append(layer)
     if told:
@@ -612,8 +616,11 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     written. `state`: the group's, as the last batch left it (None at first). Returns the kept count, the new
     positions per layer `(h, slots)` and the method's state for the group."""
     stored = slot_positions[0].shape[-1]
-    reads = [layout.read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
-    keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
+    if method.reads_values:
+        reads = [layout.read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
+        keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
+    else:  # keys only (the method gets stand-in values); the kept entries then move inside the pool
+        keys, values = torch.stack([layout.read_keys(kv, block_ids, stored) for kv in kv_caches]), None
     positions = torch.stack(slot_positions)  # (layers, h, stored)
     cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
     layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state,
@@ -621,9 +628,14 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
                                   None if last is None else torch.stack(last),
                                   sums=None if sums is None else torch.stack(sums))
     moves, order = _fill_layers_holes(kept, n_keep)
+    block_size = kv_caches[0].shape[2]
     for idx, heads, from_slots, to_slots in moves:
-        layout.write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
-                             values[idx, heads, from_slots])
+        if values is None:
+            layout.move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
+                                slot_places(block_ids, to_slots, block_size))
+        else:
+            layout.write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
+                                 values[idx, heads, from_slots])
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 

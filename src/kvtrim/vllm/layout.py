@@ -52,6 +52,16 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     return keys[:, :n], values[:, :n]
 
 
+def read_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Keys `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are `block_ids`
+    (a copy): `read_request` without the values, for a method that reads none (`reads_values`); only the key
+    halves of the request's blocks are copied."""
+    nb, h, bs, two_d = kv_cache.shape
+    used = -(-n // bs)
+    keys = _halves(kv_cache)[0].index_select(0, block_ids[:used])  # (used, h, d, bs): channel-major
+    return keys.permute(1, 0, 3, 2).reshape(h, used * bs, -1)[:, :n]
+
+
 def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int, query: torch.Tensor) -> torch.Tensor:
     """`QK^T` (unscaled, the cache's dtype) of one query per layer over the first `n` stored entries of a request
     whose blocks are `block_ids`, each layer of `kv_caches` read once as a batch row, with the keys as the kernel

@@ -18,7 +18,7 @@ import torch
 from kvtrim.methods.base import check
 from kvtrim.vllm.layout import slot_places
 
-__all__ = ["check_views", "move_entries", "read_request", "request_key_logits", "slot_places", "write_entries"]
+__all__ = ["check_views", "move_entries", "read_keys", "read_request", "request_key_logits", "slot_places", "write_entries"]
 
 #: cache dtypes stored as plain values (a quantised cache needs its scales: refused)
 PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,6 +51,15 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     # the request's whole blocks (one copy, whatever the physical order), then head-major, token-major
     entries = kv_cache.index_select(0, ids).transpose(0, 1).reshape(h, used * bs, two_d)[:, :n]
     return entries[..., :two_d // 2], entries[..., two_d // 2:]
+
+
+def read_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Keys `(kv_heads, n, head_dim)` of the first `n` stored tokens of a request whose blocks are `block_ids`
+    (a copy): `read_request` without the values; only the key halves of the request's blocks are copied."""
+    nb, h, bs, two_d = kv_cache.shape
+    used = -(-n // bs)
+    (ids,) = _on(kv_cache, block_ids[:used])
+    return kv_cache[..., :two_d // 2].index_select(0, ids).transpose(0, 1).reshape(h, used * bs, -1)[:, :n]
 
 
 def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int, query: torch.Tensor) -> torch.Tensor:
