@@ -323,7 +323,7 @@ def layer0_rows_per_step(model, method, tokens) -> list:
     kvtrim.prefill(model, tokens[:, :PROMPT], cache)
     seen = [rows(trim_layers(cache)[0])]
     for i in range(PROMPT, tokens.shape[-1]):
-        model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True)
+        model(tokens[:, i:i + 1], cache=cache, use_cache=True)
         seen.append(rows(trim_layers(cache)[0]))
     return seen
 
