@@ -151,6 +151,15 @@ def machine() -> dict:
             "loadavg_start": list(os.getloadavg())}
 
 
+def _commits_line(runs: list[dict]) -> list[str]:
+    """One line naming each configuration's kvtrim commit when `--resume` ran them at different commits."""
+    commits = {r["label"]: (r.get("kvtrim_commit") or "?")[:10] for r in runs}
+    if len(set(commits.values())) < 2:
+        return []
+    return ["Configurations at different kvtrim commits (`--resume`): "
+            + ", ".join(f"{label} {c}" for label, c in commits.items()) + ".\n"]
+
+
 def _num(x) -> str:
     return "–" if x is None else f"{x:.1f}"
 
@@ -213,7 +222,7 @@ def write(out: pathlib.Path, data: dict) -> None:
              f"{(m['kvtrim_commit'] or '?')[:10]}{' (dirty)' if m['kvtrim_dirty'] else ''}; {data['started']}; "
              f"1-minute load average {m['loadavg_start'][0]:.2f} at the start, "
              f"{m.get('loadavg_end', m['loadavg_start'])[0]:.2f} at the end.\n",
-             f"    {data['command']}\n", table(data["runs"]), "",
+             f"    {data['command']}\n", *_commits_line(data["runs"]), table(data["runs"]), "",
              "× vLLM: ratio to plain vLLM (same load, same pool). Eviction share: compaction_s / step_s from the "
              "kvtrim worker's `kvtrim: stats` log line over the load (– where the server logs none). "
              "See benchmarks/serving/README.md for what each column means and what it cannot tell.", ""]
@@ -280,6 +289,7 @@ def main(argv=None) -> int:
             print(f"[{label}] failed:\n{traceback.format_exc(limit=-3)}", flush=True)
         record["config_wall_s"] = time.monotonic() - t
         record["command"], record["started"] = data["command"], data["started"]
+        record["kvtrim_commit"] = data["machine"]["kvtrim_commit"]  # rows kept by --resume keep their own
         data["runs"] = [r for r in data["runs"] if r["label"] != label] + [record]
         data["machine"]["loadavg_end"] = list(os.getloadavg())
         write(out, data)
