@@ -22,16 +22,20 @@ def plot(results: pathlib.Path, out: pathlib.Path) -> None:
     runs = [r for r in data["runs"] if "error" not in r]
     if not runs:
         raise SystemExit(f"plot.py: error: no finished configuration in {results}")
-    labels = ["plain vLLM" if r["label"] == "vllm" else r["label"].replace(":compression_ratio=", "\n") for r in runs]
+    # a spec on two lines (method, then its parameters) so that neighbouring labels do not run into each other
+    labels = ["plain vLLM" if r["label"] == "vllm" else r["label"].replace(":", "\n", 1) for r in runs]
     ref = next((r for r in runs if r["label"] == "vllm"), None)
     colors = ["0.55" if r["label"] == "vllm" else "tab:blue" for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 2), 4.2))
-    panels = [("output_tok_s", "output tokens/s (load window)"), ("running_max", "requests running at once")]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(runs) + 2), 4.2))
+    # running: the mean over the load window is what a long load is about (plain vLLM admits every short prompt
+    # at first, then preempts them as they grow: its max says little), the max a dot
+    panels = [("output_tok_s", "output tokens/s (load window)"),
+              ("running_mean", "requests running at once (bars: mean, dots: max)")]
     for ax, (key, title) in zip(axes, panels):
         values = [r[key] or 0 for r in runs]
         ax.bar(range(len(runs)), values, color=colors)
-        if key == "running_max":
-            ax.plot(range(len(runs)), [r["running_mean"] or 0 for r in runs], "o", color="tab:orange", label="mean")
+        if key == "running_mean":
+            ax.plot(range(len(runs)), [r["running_max"] or 0 for r in runs], "o", color="tab:orange", label="max")
             ax.legend(loc="lower right", fontsize=8)
         if ref is not None and ref[key]:
             ax.axhline(ref[key], ls="--", color="0.3", lw=1, label="plain vLLM")
