@@ -48,7 +48,7 @@ bench-serving-long: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-32 --requests 32 \
 		--prompt-tokens 256 --max-tokens 2000 --max-model-len 2304 --blocks 56 --methods $(LONG_METHODS) $(ARGS)
 
-LONG_4000_METHODS = streaming:budget=512,keydiff:budget=512,lagkv:keep_ratio=0.0625
+LONG_4000_METHODS = streaming:budget=512,keydiff:budget=512,lagkv:keep_ratio=0.0625,lazyeviction:budget=512
 bench-serving-long-4000: setup serve-env
 	.venv-serve/bin/python benchmarks/serving/run.py --out benchmarks/serving/results-long-4000 --requests 22 \
 		--prompt-tokens 256 --max-tokens 4000 --max-model-len 4352 --blocks 56 --methods $(LONG_4000_METHODS) $(ARGS)
