@@ -363,7 +363,7 @@ def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], blo
     how the caches store their blocks (`kvtrim.vllm.block_layout`)."""
     visible = computed + queries[0].shape[1]
     for kv, q, scale, total in zip(kv_caches, queries, scales, sums):
-        keys = layout.read_request(kv, block_ids, visible)[0]  # (kv_heads, visible, head_dim)
+        keys = layout.read_keys(kv, block_ids, visible)  # (kv_heads, visible, head_dim)
         total[:, :visible] += prompt_attention_sums(q[None], keys[None], scale, block)[0]
 
 
@@ -517,15 +517,16 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         new_positions, new_states, kept_counts = [], [], set()
         cache = TrimCache(method, in_place_decode=False)
         for idx, kv in enumerate(kv_caches):
-            keys, values = layout.read_request(kv, block_ids, slot_positions[idx].shape[-1])  # (h, stored, d), slot order
-            layer, kept, n_keep = _decide(cache, idx, keys[None], values[None], slot_positions[idx][None], *forward,
+            keys, values = _read(layout, method, kv, block_ids, slot_positions[idx].shape[-1])
+            layer, kept, n_keep = _decide(cache, idx, keys[None], None if values is None else values[None],
+                                          slot_positions[idx][None], *forward,
                                           states[idx], None if queries is None else queries[idx][None],
                                           None if scales is None else scales[idx],
                                           None if last is None else last[idx][None],
                                           sums=None if sums is None else sums[idx][None])
             heads, from_slots, to_slots, order = fill_holes(kept[0], n_keep)
             if heads.numel():
-                layout.write_entries(kv, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
+                _store_moves(layout, kv, block_ids, heads, from_slots, to_slots, keys, values)
             new_positions.append(slot_positions[idx].gather(-1, order))
             kept_counts.add(n_keep)
             new_states.append(layer.state)
@@ -616,11 +617,9 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
     written. `state`: the group's, as the last batch left it (None at first). Returns the kept count, the new
     positions per layer `(h, slots)` and the method's state for the group."""
     stored = slot_positions[0].shape[-1]
-    if method.reads_values:
-        reads = [layout.read_request(kv, block_ids, stored) for kv in kv_caches]  # (h, stored, d) each, slot order
-        keys, values = torch.stack([k for k, _ in reads]), torch.stack([v for _, v in reads])
-    else:  # keys only (the method gets stand-in values); the kept entries then move inside the pool
-        keys, values = torch.stack([layout.read_keys(kv, block_ids, stored) for kv in kv_caches]), None
+    reads = [_read(layout, method, kv, block_ids, stored) for kv in kv_caches]
+    keys = torch.stack([k for k, _ in reads])
+    values = None if reads[0][1] is None else torch.stack([v for _, v in reads])
     positions = torch.stack(slot_positions)  # (layers, h, stored)
     cache = TrimCache(method, in_place_decode=False)  # one per batch: a cache's layers share its batch size
     layer, kept, n_keep = _decide(cache, 0, keys, values, positions, *forward, state,
@@ -628,15 +627,34 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
                                   None if last is None else torch.stack(last),
                                   sums=None if sums is None else torch.stack(sums))
     moves, order = _fill_layers_holes(kept, n_keep)
-    block_size = kv_caches[0].shape[2]
     for idx, heads, from_slots, to_slots in moves:
-        if values is None:
-            layout.move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
-                                slot_places(block_ids, to_slots, block_size))
-        else:
-            layout.write_entries(kv_caches[idx], block_ids, heads, to_slots, keys[idx, heads, from_slots],
-                                 values[idx, heads, from_slots])
+        _store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots, keys[idx],
+                     None if values is None else values[idx])
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
+
+
+def _read(layout: BlockLayout, method: EvictionMethod, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+          n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's first `n` stored keys and values `(h, n, d)` in slot order; keys and None for a method that reads
+    no values (`reads_values`): it gets stand-ins (`_decide`) and its kept entries move inside the pool
+    (`_store_moves`)."""
+    if method.reads_values:
+        return layout.read_request(kv_cache, block_ids, n)
+    return layout.read_keys(kv_cache, block_ids, n), None
+
+
+def _store_moves(layout: BlockLayout, kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor,
+                 from_slots: torch.Tensor, to_slots: torch.Tensor, keys: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None) -> None:
+    """Put KV head `heads[i]`'s entry at slot `from_slots[i]` into slot `to_slots[i]` of one layer: written from the
+    copies read (`keys`, `values` `(h, stored, d)`, slot order), or, when its values were not read, copied inside
+    the pool."""
+    if values is None:
+        block_size = kv_cache.shape[2]
+        layout.move_entries(kv_cache, heads, slot_places(block_ids, from_slots, block_size),
+                            slot_places(block_ids, to_slots, block_size))
+    else:
+        layout.write_entries(kv_cache, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
 
 
 def _fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], torch.Tensor]:
@@ -676,10 +694,8 @@ def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_posi
     if n_keep == stored:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return n_keep, list(positions.unbind(0)), layer.state
     moves, order = _fill_layers_holes(kept, n_keep)
-    block_size = kv_caches[0].shape[2]
-    for idx, heads, from_slots, to_slots in moves:
-        layout.move_entries(kv_caches[idx], heads, slot_places(block_ids, from_slots, block_size),
-                            slot_places(block_ids, to_slots, block_size))
+    for idx, heads, from_slots, to_slots in moves:  # nothing read but keys: copied inside the pool
+        _store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots)
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 
