@@ -23,7 +23,9 @@ from kvtrim.methods.base import Phase  # noqa: E402
 from kvtrim.models import resolve_model_dir  # noqa: E402
 from kvtrim.specs import parse_method_spec  # noqa: E402
 from kvtrim.vllm.compact import PLAN_ATTR, block_end  # noqa: E402
-from kvtrim.vllm.scheduler import CompactingKVCacheManager, TrimScheduler  # noqa: E402
+from kvtrim.vllm.kv_spec import trim_spec  # noqa: E402
+from kvtrim.vllm.manager import TrimAttentionManager  # noqa: E402
+from kvtrim.vllm.scheduler import TrimScheduler  # noqa: E402
 
 BLOCK = 16
 
@@ -58,7 +60,7 @@ def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32, admiss
                    batched: int = 8192) -> TrimScheduler:
     cfg = make_config(method, max_seqs, admission=admission, batched=batched)
     cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    spec = trim_spec(FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32))
     kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     return TrimScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK)
 
@@ -111,9 +113,26 @@ def run_all(s: TrimScheduler, limit: int = 2000) -> int:
     raise AssertionError("requests did not finish")
 
 
-def test_manager_is_the_compacting_one():
+def test_the_registered_manager_owns_the_blocks():
+    """vLLM's own coordinator builds kvtrim's manager for `TrimAttentionSpec` (through `KVCacheSpecRegistry`), and
+    vLLM's `KVCacheManager` is left as it is."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
     s = make_scheduler(40)
-    assert isinstance(s.kv_cache_manager, CompactingKVCacheManager) and free_blocks(s) == 40
+    assert type(s.kv_cache_manager) is KVCacheManager
+    (manager,) = s.kv_cache_manager.coordinator.single_type_managers
+    assert type(manager) is TrimAttentionManager and manager is s.trim and free_blocks(s) == 40
+
+
+def test_the_scheduler_refuses_a_worker_without_kvtrims_spec():
+    from kvtrim.methods.base import KvtrimError
+
+    cfg = make_config()
+    cfg.cache_config.num_gpu_blocks = 13
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=13, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    with pytest.raises(KvtrimError, match="needs kvtrim's worker"):
+        TrimScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK)
 
 
 @pytest.mark.parametrize("spec", METHODS)
@@ -141,7 +160,7 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
         assert not step(s, plans=True)[1]  # a prompt-end method plans nothing while decoding
         assert held(s, "r0") == -(-(kept + t) // BLOCK)
     run_all(s)
-    assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded
+    assert free_blocks(s) == 200 and not s.trim.states
 
 
 def reference_stored(spec: str, prompt: int, new: int) -> list[int]:
@@ -188,7 +207,7 @@ def test_decoding_evictions_return_blocks(spec):
     assert shrinks == (spec != "streaming:budget=40")  # streaming's 40 entries never leave their 3 blocks
     assert (s.kvtrim_freed_blocks > freed_at_prompt) == shrinks  # decode-time compactions returned blocks too
     run_all(s)
-    assert free_blocks(s) == 200 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
+    assert free_blocks(s) == 200 and not s.trim.states
 
 
 def test_full_frees_nothing_and_a_request_picks_its_method():
@@ -228,10 +247,10 @@ def test_preempted_request_is_compacted_again_and_nothing_leaks(spec):
         step(s)
         preempted = max([preempted] + [r.num_preemptions for r in s.requests.values() if r.request_id != "r0"])
         for r in s.running:  # what each holds is what it stores (token count minus what it discarded)
-            gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
+            gone = s.trim.states[r.request_id].discarded
             assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone) // BLOCK)
     assert not s.has_requests() and preempted > 0
-    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_discarded and not s.kv_cache_manager.kvtrim_counts
+    assert free_blocks(s) == 12 and not s.trim.states
 
 
 @pytest.mark.parametrize("spec", ["keydiff:budget=32:block_size=16", "streaming:budget=40",
@@ -253,7 +272,7 @@ def test_admission_by_peak_never_preempts(spec):
         assert all(r.num_preemptions == 0 for r in s.requests.values())
         assert sum(held(s, r.request_id) for r in s.running) <= 12
     assert not s.has_requests() and most == 12 // peak
-    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_reserved
+    assert free_blocks(s) == 12 and not s.trim.states
 
 
 def test_admission_as_vllm_admits_eagerly_and_preempts():
@@ -268,7 +287,7 @@ def test_admission_as_vllm_admits_eagerly_and_preempts():
         most = max(most, len(step(s)))
         preempted = max([preempted] + [r.num_preemptions for r in s.requests.values()])
     assert not s.has_requests() and most == 6 and preempted > 0
-    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_reserved
+    assert free_blocks(s) == 12 and not s.trim.states
 
 
 @pytest.mark.parametrize("batched", [8192, 20])
@@ -296,13 +315,13 @@ def test_a_prompt_longer_than_the_pool_is_read_in_blocks(batched):
                     assert (start + n) % 32 == 0 or start + n == 700
                     prompt_compactions += 1
         for r in s.running:
-            gone = s.kv_cache_manager.kvtrim_discarded.get(r.request_id, 0)
+            gone = s.trim.states[r.request_id].discarded
             spare = r.request_id in due and r.num_computed_tokens > 700  # a decode step evicted: the next slot stays
             assert held(s, r.request_id) == -(-(r.num_computed_tokens - gone + spare) // BLOCK) <= 5
         assert all(r.num_preemptions == 0 for r in s.requests.values())
     assert not s.has_requests() and most == 2 and max(chunks) == min(32, batched)
     assert prompt_compactions == 3 * (-(-700 // 32) - 1)  # every block from the second on evicts
-    assert free_blocks(s) == 12 and not s.kv_cache_manager.kvtrim_counts
+    assert free_blocks(s) == 12 and not s.trim.states
 
 
 def test_a_request_the_pool_can_never_hold_ends_with_an_error():
@@ -311,10 +330,18 @@ def test_a_request_the_pool_can_never_hold_ends_with_an_error():
     s = make_scheduler(12)
     add(s, 1, 700, 10, "full")
     add(s, 2, 40, 10, "keydiff:budget=48:block_size=32", start=1)
-    why = s._kvtrim_unfit(s.requests["r0"], s._kvtrim_peak_blocks(s.requests["r0"]))
+    out = s.schedule()  # (r0 heads the queue: vLLM tries no request after it in this step)
+    assert "r0" not in out.num_scheduled_tokens
+    why = s.trim.failed["r0"]
     assert why.startswith("its prompt of 700 tokens and max_tokens=10 may take 45 KV blocks under full, more than "
                           "the 12 of this server's pool") and "\n" not in why
-    assert s._kvtrim_unfit(s.requests["r1"], s._kvtrim_peak_blocks(s.requests["r1"])) is None
+    assert set(s.trim.failed) == {"r0"}
+    ids = list(out.num_scheduled_tokens)
+    outputs = s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                          sampled_token_ids=[[7] for _ in ids]))
+    ended = [o for client in outputs.values() for o in client.outputs if o.request_id == "r0" and o.finish_reason]
+    assert len(ended) == 1 and ended[0].finish_reason.name == "ERROR" and "r0" not in s.requests
+    assert set(step(s)) == {"r1", "r2"}  # the next step runs the others
     run_all(s)
     assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 12 and not s.requests
 
@@ -365,7 +392,7 @@ def test_a_failed_compaction_ends_that_request_only():
     assert "r0" not in s.requests and s.kvtrim_failed_requests == 1
     assert free_blocks(s) == 40 - held(s, "r1") and held(s, "r1") == 3  # r1 compacted to 40 entries: 3 blocks
     run_all(s)
-    assert free_blocks(s) == 40 and not s.kv_cache_manager.kvtrim_counts
+    assert free_blocks(s) == 40 and not s.trim.states
 
 
 @pytest.mark.parametrize("cache, async_scheduling, words", [
@@ -412,7 +439,54 @@ def test_aborted_request_frees_its_blocks():
     step(s)
     step(s)
     s.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
-    assert "r0" not in s.kv_cache_manager.kvtrim_discarded
+    assert "r0" not in s.trim.states
     assert free_blocks(s) == 40 - held(s, "r1")
     run_all(s)
     assert free_blocks(s) == 40
+
+
+def test_a_method_that_raises_while_planning_or_admitting_ends_that_request_only():
+    """A registered method (as a user installs one) that raises where the manager plans its counts, or where it
+    works out its peak to admit it, ends that request with an error (one line) and never stops the engine: the
+    other requests run to their end and the pool ends empty."""
+    from dataclasses import dataclass
+
+    import kvtrim
+
+    @kvtrim.register_method
+    @dataclass
+    class PlanBreaker(kvtrim.ScoringMethod):
+        name = "test_plan_breaker"
+        summary = "raises when told a forward"
+
+        def score(self, view):
+            return view.keys.float().norm(dim=-1)
+
+        def target(self, view):
+            raise RuntimeError("target broke\nsecond line")
+
+    @kvtrim.register_method
+    @dataclass
+    class PeakBreaker(PlanBreaker):
+        name = "test_peak_breaker"
+        summary = "raises when asked its peak"
+
+        def peak_stored(self, prompt_tokens, total_tokens):
+            raise ValueError("peak broke")
+
+    s = make_scheduler(40)
+    add(s, 1, 160, 8, "test_plan_breaker:compression_ratio=0.5")
+    add(s, 1, 160, 8, "test_peak_breaker:compression_ratio=0.5", start=1)
+    add(s, 2, 160, 8, "keydiff:compression_ratio=0.75", start=2)
+    finished = {}
+    for _ in range(200):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
+        outputs = s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                              sampled_token_ids=sampled))
+        finished.update({o.request_id: o.finish_reason.name for c in outputs.values() for o in c.outputs if o.finish_reason})
+    assert finished == {"r0": "ERROR", "r1": "ERROR", "r2": "LENGTH", "r3": "LENGTH"}
+    assert s.kvtrim_failed_requests == 2 and free_blocks(s) == 40 and not s.trim.states and not s.trim.failed

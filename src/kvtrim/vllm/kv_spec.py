@@ -3,10 +3,12 @@ server method's peak (`kvtrim.vllm.compact.longest_peak`), as vLLM's own sliding
 window. vLLM's start-up check (one request of `--max-model-len` tokens must fit in the pool) then asks for
 `budget + block_size` entries under `keydiff:budget=...`, not `--max-model-len`: a server whose pool is
 smaller than one full-length request starts. Any request that its own method would not fit in the pool is
-ended with an error by the scheduler (`TrimScheduler._kvtrim_unfit`), never admitted to be preempted forever.
+ended with an error by the scheduler (`TrimAttentionManager._unfit`), never admitted to be preempted forever.
 
-The subclass adds no field (vLLM merges the layers' specs by their fields) and is found through vLLM's
-`KVCacheSpecRegistry` by its base class (the full-attention manager, grouped as full attention).
+The subclass adds no field (vLLM merges the layers' specs by their fields). It is registered in vLLM's
+`KVCacheSpecRegistry` with its own manager, `kvtrim.vllm.manager.TrimAttentionManager` (grouped as full attention),
+when this module is imported: in the worker (which reports the spec), the scheduler, and any process that
+unpickles the spec.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
 
+from vllm.config import get_current_vllm_config_or_none  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec  # noqa: E402
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
+
+from kvtrim.vllm.manager import TrimAttentionManager  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,3 +46,14 @@ def trim_spec(spec: KVCacheSpec) -> KVCacheSpec:
     if type(spec) is not FullAttentionSpec:
         return spec
     return TrimAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init})
+
+
+def register() -> None:
+    """Register `TrimAttentionSpec` with `TrimAttentionManager` in vLLM's `KVCacheSpecRegistry` (idempotent).
+    vLLM fills its registry with its own specs only while it is empty: they are registered first (vLLM's own
+    `register_all_kvcache_specs`, which registers the same classes again harmlessly)."""
+    register_all_kvcache_specs(get_current_vllm_config_or_none())
+    KVCacheSpecRegistry.register(TrimAttentionSpec, TrimAttentionManager, uniform_type_base_spec=FullAttentionSpec)
+
+
+register()
