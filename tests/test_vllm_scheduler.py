@@ -490,3 +490,18 @@ def test_a_method_that_raises_while_planning_or_admitting_ends_that_request_only
         finished.update({o.request_id: o.finish_reason.name for c in outputs.values() for o in c.outputs if o.finish_reason})
     assert finished == {"r0": "ERROR", "r1": "ERROR", "r2": "LENGTH", "r3": "LENGTH"}
     assert s.kvtrim_failed_requests == 2 and free_blocks(s) == 40 and not s.trim.states and not s.trim.failed
+
+
+def test_prompt_end_requests_reserve_nothing_for_their_growth():
+    """A prompt-end method keeps every token it decodes (its peak: the kept prompt plus all its `max_tokens`):
+    it reserves nothing for that growth and is admitted as vLLM admits (by its prompt), beside what a bounded
+    request reserves, which still reserves its peak. By their peaks (8 blocks) a 40-block pool would admit 5."""
+    s = make_scheduler(40)
+    add(s, 1, 64, 100, "streaming:budget=40")  # bounded: reserves its peak
+    add(s, 8, 64, 100, "streaming:compression_ratio=0.75", start=1)  # 64 -> 16 kept, then +100: 8 blocks at the end
+    assert len(step(s)) == 9
+    assert s.trim.states["r0"].reserved == -(-parse_method_spec("streaming:budget=40").build().peak_stored(64, 164)
+                                             // BLOCK)
+    assert all(s.trim.states[f"r{i}"].grows and s.trim.states[f"r{i}"].reserved is None for i in range(1, 9))
+    run_all(s)
+    assert free_blocks(s) == 40 and not s.trim.states

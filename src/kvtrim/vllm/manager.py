@@ -14,10 +14,15 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
 * the blocks: a request is sized by what it stores (tokens minus entries discarded) in
   `get_num_blocks_to_allocate` and `allocate_new_blocks`, and once a compaction ran (`compacted`) its tail blocks
   past the slots it keeps go back to the pool, from this manager's own lists;
-* admission: a request whose method bounds what it stores (`EvictionMethod.peak_stored`; while its prompt is read
-  in blocks, `prompt_peak`) is admitted only when the free pool, less what admitted requests may still take to
-  reach their peaks (`_debt`), holds its peak (`--admission peak`, the default); one its method could never fit
-  in the pool is refused (`fail`), never admitted to be preempted forever;
+* admission (`--admission peak`, the default): a request whose method bounds what it stores while it decodes
+  (`EvictionMethod.peak_stored`: budget modes, LagKV's reference mode; while its prompt is read in blocks,
+  `prompt_peak`) is admitted only when the free pool, less what admitted requests may still take to reach their
+  peaks (`_debt`), holds its peak, and reserves it: it is never preempted for want of blocks by a request
+  admitted after it. A request whose method keeps every token after its prompt (a prompt-end method: its peak is
+  its kept prompt plus all its `max_tokens`) reserves nothing for that growth: it is admitted as vLLM admits (its
+  prompt must fit), beside the reserved blocks, since reserving every request's whole `max_tokens` holds fewer
+  requests at once than the pool can run (`grows`); one its method could never fit in the pool is refused
+  (`fail`), never admitted to be preempted forever;
 * the life of a request: started, planned, compacted, preempted (vLLM frees its blocks while it is not finished:
   its counts start over and it is recomputed later), finished or aborted (its state goes): `_release`, the one
   cleanup path, runs from vLLM's own `free` / `pop_blocks_for_free`;
@@ -62,6 +67,8 @@ class TrimRequest:
     #: whether its peak was worked out, and the blocks it needs at most (None: its method bounds nothing)
     peak_known: bool = False
     peak: int | None = None
+    #: True when its method keeps every token it decodes (a prompt-end method): no reservation for that growth
+    grows: bool = False
     #: True once it holds blocks (admitted), until it is preempted
     admitted: bool = False
     #: blocks reserved for its peak once admitted by peak (None: nothing reserved)
@@ -182,8 +189,8 @@ class TrimAttentionManager(FullAttentionManager):
             blocks = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
             if self.admission != "peak":
                 return blocks
-            # the free pool must hold what admitted requests may still take, and this one's peak
-            return max(blocks, peak or 0) + self._debt()
+            # the free pool must hold what admitted requests may still take, and this one's peak if it reserves it
+            return max(blocks, 0 if peak is None or state.grows else peak) + self._debt()
         except Exception as err:  # noqa: BLE001 - one request's method must not stop the engine
             self.fail(request_id, f"admission: {one_line(err)}")
             return _NEVER
@@ -194,7 +201,7 @@ class TrimAttentionManager(FullAttentionManager):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         if not state.admitted:
             state.admitted = True
-            state.reserved = state.peak if self.admission == "peak" else None
+            state.reserved = state.peak if self.admission == "peak" and not state.grows else None
         gone = state.discarded
         return super().allocate_new_blocks(request_id, num_tokens - gone, num_tokens_main_model - gone)
 
@@ -224,6 +231,8 @@ class TrimAttentionManager(FullAttentionManager):
         peak = method.peak_stored(prompt, total)
         if peak is None or peak >= total:
             return None
+        # every decoded token kept: its peak is reached only at its last token, reserved from its first
+        state.grows = total > prompt and peak == method.peak_stored(prompt, prompt) + total - prompt
         if prompt_block(method) is not None:
             peak = max(peak, prompt_peak(method, prompt))
         return blocks_needed(peak, self.block_size)
