@@ -152,7 +152,7 @@ def test_the_engine_reads_the_methods_declarations():
     from kvtrim.vllm.spec import prompt_queries, prompt_sums, refusal
 
     h2o = method_for_vllm("h2o:budget=64")
-    assert prompt_sums(h2o) and prompt_queries(h2o) == 0
+    assert prompt_sums(h2o) and prompt_queries(h2o) == 0 and not prompt_sums(None)  # None: `full`
     assert not prompt_sums(method_for_vllm("tova:budget=64")) and prompt_queries(method_for_vllm("tova:budget=64"))
 
     @dataclass(kw_only=True)

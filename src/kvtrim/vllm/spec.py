@@ -75,12 +75,12 @@ def refusal(method: EvictionMethod) -> str | None:
     return None
 
 
-def prompt_sums(method: EvictionMethod) -> bool:
+def prompt_sums(method: EvictionMethod | None) -> bool:
     """True for a method that reads its prompt's attention as the column sums of its causal attention
     (`prompt_attention_summary = "sums"`; H2O: its accumulated scores start with them): the engine adds each
     prefill chunk's sums as the chunk is computed (`LayerView.attention_sums`) instead of holding every prompt
-    query until the prompt ends."""
-    return method.prompt_attention_summary == "sums"
+    query until the prompt ends. False for None (`full`)."""
+    return method is not None and method.prompt_attention_summary == "sums"
 
 
 def prompt_queries(method: EvictionMethod) -> int:
