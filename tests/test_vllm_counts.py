@@ -9,8 +9,8 @@ import torch
 from kvtrim.cache import TrimCache
 from kvtrim.methods.base import KvtrimError, Phase, kept_count
 from kvtrim.specs import parse_method_spec
-from kvtrim.vllm.compact import (StoredCounts, block_end, forward_steps, longest_peak, plan_forward, prompt_block,
-                                 prompt_peak)
+from kvtrim.vllm.planning import (StoredCounts, block_end, forward_steps, longest_peak, plan_forward, prompt_block,
+                                  prompt_peak)
 
 COUNTED = ["keydiff:budget=48:block_size=16", "keydiff:compression_ratio=0.5", "streaming:budget=40",
            "streaming:compression_ratio=0.75", "knorm:budget=30", "knorm:compression_ratio=0.6",
@@ -79,7 +79,7 @@ def test_plan_forward_starts_a_request_afresh():
     method = parse_method_spec("streaming:budget=40").build()
     counts = {}
     due = plan_forward(counts, "r", method, 0, 100, 100)
-    assert due is not None and due.end == 100 and due.discarded == 60 and due.steps[0][1]
+    assert due is not None and due.end == 100 and due.discarded == 60 and due.steps[0].ends_prompt
     assert plan_forward(counts, "r", method, 100, 101, 100).discarded == 61  # every step over budget evicts
     assert plan_forward(counts, "r", method, 0, 50, 100) is None  # recomputed: a new first chunk, nothing due yet
     assert "r" not in counts
@@ -219,11 +219,12 @@ def test_snapkv_budget_counts_are_the_real_methods(spec, prompt, total, chunk):
     for start, end in (block_forwards(prompt, total, block, chunk) if block else forwards(prompt, total, chunk)):
         steps = forward_steps(start, end, prompt, block)
         due = counts.advance(steps)
-        for phase, ends, q in steps:
-            if phase is Phase.PREFILL:
+        for step in steps:
+            q = step.tokens
+            if step.phase is Phase.PREFILL:
                 peak = max(peak, (cache.layers[0].stored if cache.layers else 0) + q)
             k, v = torch.randn(2, 1, 3, q, 16, generator=gen)
-            with cache.phase(phase, ends_prompt=ends):
+            with cache.phase(step.phase, ends_prompt=step.ends_prompt):
                 cache.update(k, v, 0)
             cache.layers[0].after_attention(torch.randn(1, 9, q, 16, generator=gen), None, None)
             told += q

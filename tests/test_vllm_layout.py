@@ -12,8 +12,10 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
 import kvtrim.vllm.compact as compact_module  # noqa: E402
-from kvtrim.vllm.compact import (RequestEntries, StoredCounts, compact, fill_holes,  # noqa: E402
-                                 forward_steps)
+from kvtrim.vllm.block_io import fill_holes  # noqa: E402
+from kvtrim.vllm.compact import compact  # noqa: E402
+from kvtrim.vllm.entries import RequestEntries  # noqa: E402
+from kvtrim.vllm.planning import StoredCounts, forward_steps  # noqa: E402
 from kvtrim.vllm.layout import (check_isa, move_entries, read_keys, read_request, slot_places,  # noqa: E402
                                 write_entries)
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
@@ -381,7 +383,7 @@ def test_snapkv_prompt_blocks_get_each_blocks_queries(spec, chunk, dtype):
                          slots)
         steps = forward_steps(start, end, prompt, block)
         if steps and counts.advance(steps):
-            w = min(window, steps[0][2])
+            w = min(window, steps[0].tokens)
             gone = compact(caches, blocks, method, entries, steps, end, prompt, [q[:, end - w:end] for q in queries],
                            [scale] * n_layers)
             assert gone == counts.discarded
@@ -420,7 +422,7 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
     tokens after its prompt in the prompt's forward (an append)."""
     from kvtrim.attention import attend_with_probabilities
-    from kvtrim.vllm.compact import add_prompt_sums
+    from kvtrim.vllm.block_io import add_prompt_sums
     from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
     method = method_for_vllm(spec)

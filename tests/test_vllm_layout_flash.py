@@ -18,8 +18,10 @@ from kvtrim.methods.base import KvtrimError  # noqa: E402
 from kvtrim.vllm import layout as cpu_vec  # noqa: E402
 from kvtrim.vllm import layout_flash  # noqa: E402
 from kvtrim.vllm.block_layout import BlockLayout, block_layout  # noqa: E402
-from kvtrim.vllm.compact import (RequestEntries, StoredCounts, add_prompt_sums, compact,  # noqa: E402
-                                 forward_steps)
+from kvtrim.vllm.block_io import add_prompt_sums  # noqa: E402
+from kvtrim.vllm.compact import compact  # noqa: E402
+from kvtrim.vllm.entries import RequestEntries  # noqa: E402
+from kvtrim.vllm.planning import StoredCounts, forward_steps  # noqa: E402
 from kvtrim.vllm.layout_flash import (check_views, move_entries, read_keys, read_request, request_key_logits,  # noqa: E402
                                       slot_places, write_entries)
 from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums  # noqa: E402
@@ -235,7 +237,7 @@ def drive(method, layout, caches, write, blocks, originals, queries, prompt, blo
                 add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c, scales,
                                 method.prefill_block, layout=layout)
         elif start < prompt and prompt_queries(method):
-            w = min(prompt_queries(method), steps[0][2])
+            w = min(prompt_queries(method), steps[0].tokens)
             tail = [q[:, end - w:end] for q in queries]
         last = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None
         gone = compact(caches, blocks, method, entries, steps, end, prompt, tail, scales, last, sums, layout=layout)

@@ -22,9 +22,9 @@ from kvtrim.cache import TrimCache  # noqa: E402
 from kvtrim.methods.base import Phase  # noqa: E402
 from kvtrim.models import resolve_model_dir  # noqa: E402
 from kvtrim.specs import parse_method_spec  # noqa: E402
-from kvtrim.vllm.compact import PLAN_ATTR, block_end  # noqa: E402
 from kvtrim.vllm.kv_spec import trim_spec  # noqa: E402
 from kvtrim.vllm.manager import TrimAttentionManager  # noqa: E402
+from kvtrim.vllm.planning import PLAN_ATTR, block_end  # noqa: E402
 from kvtrim.vllm.scheduler import TrimScheduler  # noqa: E402
 
 BLOCK = 16
@@ -146,7 +146,7 @@ def test_blocks_freed_are_what_the_kept_count_leaves(spec):
     # the plan the worker gets with the step: compact all three to the count the blocks are freed by
     plan = getattr(out, PLAN_ATTR)
     assert sorted(plan.due) == ["r0", "r1", "r2"] and plan.seconds >= 0
-    assert {(d.end, d.discarded, d.steps[0][1]) for d in plan.due.values()} == {(prompt, prompt - kept, True)}
+    assert {(d.end, d.discarded, d.steps[0].ends_prompt) for d in plan.due.values()} == {(prompt, prompt - kept, True)}
     ids = list(out.num_scheduled_tokens)
     s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                                 sampled_token_ids=[[7]] * 3))
@@ -377,7 +377,7 @@ def test_a_failed_compaction_ends_that_request_only():
     """The worker names a request whose compaction failed in the step's output (`FAILED_ATTR`): the scheduler
     ends it with an error instead of freeing blocks by its count, returns all its blocks, and the other
     requests run to their end."""
-    from kvtrim.vllm.compact import FAILED_ATTR
+    from kvtrim.vllm.planning import FAILED_ATTR
 
     s = make_scheduler(40)
     add(s, 2, 160, 8, "keydiff:compression_ratio=0.75")

@@ -140,3 +140,39 @@ def test_queries_after_the_prompt_are_refused():
 
     why = refusal(DecodingSnapKV(budget=64))
     assert "queries at appends or decode steps" in why and "\n" not in why
+
+
+def test_the_engine_reads_the_methods_declarations():
+    """What the engine needs from a method is declared on it, not inferred from its class: H2O gets its prompt's
+    attention sums (`prompt_attention_summary = "sums"`), so does a registered method declaring them, AdaKV is
+    refused (`same_count_per_head = False`), and so is any method declaring so or an unknown summary."""
+    from dataclasses import dataclass
+
+    from kvtrim import AdaKV
+    from kvtrim.vllm.spec import prompt_queries, prompt_sums, refusal
+
+    h2o = method_for_vllm("h2o:budget=64")
+    assert prompt_sums(h2o) and prompt_queries(h2o) == 0 and not prompt_sums(None)  # None: `full`
+    assert not prompt_sums(method_for_vllm("tova:budget=64")) and prompt_queries(method_for_vllm("tova:budget=64"))
+
+    @dataclass(kw_only=True)
+    class SummedTOVA(TOVA):  # a registered ranking method fed its prompt's attention as sums
+        name = "summed-tova-test"
+        prompt_attention_summary = "sums"
+
+    assert refusal(SummedTOVA(budget=8)) is None and prompt_sums(SummedTOVA(budget=8))
+    assert prompt_queries(SummedTOVA(budget=8)) == 0
+
+    class Unknown(TOVA):
+        name = "unknown-summary-test"
+        prompt_attention_summary = "maxima"
+
+    assert "prompt_attention_summary 'maxima'" in refusal(Unknown(budget=8))
+
+    class PerHead(KNorm):  # a ranking method that declares per-head counts is refused as AdaKV is
+        name = "per-head-test"
+        same_count_per_head = False
+
+    assert not AdaKV.same_count_per_head and KNorm.same_count_per_head
+    for method in (PerHead(budget=8), AdaKV(SnapKV(compression_ratio=0.5))):
+        assert "different number of entries per KV head" in refusal(method)

@@ -1,5 +1,5 @@
 """What eviction costs one request in kvtrim's vLLM engine, without a server: the scheduler's planning
-(`kvtrim.vllm.compact.plan_forward`, every forward) and the worker's compactions (`compact`, on the forwards
+(`kvtrim.vllm.planning.plan_forward`, every forward) and the worker's compactions (`compact`, on the forwards
 the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a
 56-block pool), one thread: the long-generation load's request (a 237-token prompt, then 2,000 decode steps).
 
@@ -22,7 +22,9 @@ import time
 import torch
 
 from kvtrim.specs import parse_method_spec
-from kvtrim.vllm.compact import RequestEntries, block_end, compact, plan_forward, prompt_block
+from kvtrim.vllm.compact import compact
+from kvtrim.vllm.entries import RequestEntries
+from kvtrim.vllm.planning import block_end, plan_forward, prompt_block
 from kvtrim.vllm.layout import write_entries
 from kvtrim.vllm.spec import prompt_queries, prompt_sums
 

@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from kvtrim.vllm.compact import RequestEntries, StoredCounts, compact, forward_steps
+from kvtrim.vllm.compact import compact
+from kvtrim.vllm.entries import RequestEntries
+from kvtrim.vllm.planning import StoredCounts, forward_steps
 from kvtrim.vllm.spec import method_for_vllm
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS, PROMPT, STEPS = 30, 3, 128, 64, 12, 237, 1199

@@ -99,7 +99,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("nothing to run: --methods is empty and --no-plain is set")
     if len(set(args.method_list)) != len(args.method_list):
         p.error(f"--methods lists a spec twice: {args.methods}")
-    from kvtrim.vllm.compact import longest_peak
+    from kvtrim.vllm.planning import longest_peak
 
     for spec in args.method_list:
         try:

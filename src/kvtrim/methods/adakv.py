@@ -100,6 +100,7 @@ class AdaKV(EvictionMethod):
                               "alpha_safeguard x budget per head (AdaKV); wraps a scoring method")
     #: the parameter that names the wrapped method in a spec (`kvtrim.specs`)
     wraps: ClassVar[str] = "method"
+    same_count_per_head: ClassVar[bool] = False  # head-wise budgets: head lengths differ (ragged)
 
     method: EvictionMethod | None = None
     alpha_safeguard: float = 0.2

@@ -255,7 +255,9 @@ class Schedule:
 @dataclass(kw_only=True)
 class EvictionMethod:
     """Base class of all methods. Subclasses are dataclasses whose fields are the hyper-parameters;
-    their types are checked at construction (one-line `KvtrimError`s)."""
+    their types are checked at construction (one-line `KvtrimError`s). What a method needs from its caller is
+    declared in the class attributes below (kvtrim's vLLM engine reads them too: `prompt_attention_summary`,
+    `same_count_per_head`, ...), never inferred from its class."""
 
     #: short name used by the CLI and the registry
     name: ClassVar[str] = "base"
@@ -286,6 +288,14 @@ class EvictionMethod:
     #: LazyEviction, StreamingLLM: keys, queries, attention or positions only): kvtrim's vLLM worker then reads
     #: no values for it and moves the kept entries inside the pool (tests/test_conformance.py checks it)
     reads_values: ClassVar[bool] = True
+    #: how the method's prompt attention may be summarised for it instead of holding the prompt's last
+    #: `prompt_queries()` queries until the prompt ends: "sums", the column sums of the prompt's causal attention
+    #: per KV head (H2O: its accumulated scores start with them), which kvtrim's vLLM engine adds up per prefill
+    #: chunk and hands over as `view.attention_sums`; None: the queries themselves
+    prompt_attention_summary: ClassVar[str | None] = None
+    #: False when the method may keep a different number of entries per KV head (AdaKV's head-wise budgets,
+    #: stored ragged): kvtrim's vLLM engine refuses it (one block table per request, shared by every head)
+    same_count_per_head: ClassVar[bool] = True
 
     def __post_init__(self):
         owner = type(self).__name__

@@ -140,6 +140,7 @@ class H2O(ScoringMethod):
     reads_values = False
     in_place_decode = True
     counts_ignore_attention = True  # its accumulated attention picks which entries, its budget how many
+    prompt_attention_summary = "sums"  # its scores start with the prompt's attention column sums
     size_params = ("budget", "compression_ratio", "heavy_budget", "recent_budget")
 
     heavy_budget: int | None = None

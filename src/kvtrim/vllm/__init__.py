@@ -4,8 +4,11 @@ Pieces (each through one of vLLM's extension points; vLLM's files are never edit
 
 * `kvtrim.vllm.spec`: which methods run in the engine, and the one-line refusals (no vLLM import).
 * `kvtrim.vllm.layout`: the CPU backend's KV block layout, read and written as `(kv_heads, n, head_dim)`.
+* `kvtrim.vllm.planning`: what each forward of a request is to its method, and how many entries the request
+  stores after it (the scheduler's counts and plan).
 * `kvtrim.vllm.compact`: the kept positions of one request, chosen by a `TrimCache` (the same code path
-  as `model.generate`), and the compaction of its blocks.
+  as `model.generate`, `kvtrim.vllm.decide`), and the compaction of its blocks (`kvtrim.vllm.block_io`,
+  `kvtrim.vllm.entries`).
 * `kvtrim.vllm.worker`: `--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (a model runner subclass that
   compacts after the forward and keeps true positions for later tokens).
 * `kvtrim.vllm.attention`: vLLM's CPU attention backend subclassed (registered through `register_backend`),

@@ -1,5 +1,5 @@
 """The KV-cache spec kvtrim's worker reports: vLLM's full attention, whose most memory per request is the
-server method's peak (`kvtrim.vllm.compact.longest_peak`), as vLLM's own sliding-window spec reports its
+server method's peak (`kvtrim.vllm.planning.longest_peak`), as vLLM's own sliding-window spec reports its
 window. vLLM's start-up check (one request of `--max-model-len` tokens must fit in the pool) then asks for
 `budget + block_size` entries under `keydiff:budget=...`, not `--max-model-len`: a server whose pool is
 smaller than one full-length request starts. Any request that its own method would not fit in the pool is
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvtrim.vllm.compact import longest_peak
+from kvtrim.vllm.planning import longest_peak
 from kvtrim.vllm.config import server_method
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrim.methods.base import EvictionMethod
-from kvtrim.vllm.compact import (Due, StoredCounts, blocks_needed, forward_steps, prompt_block, prompt_peak,
-                                 slots_held)
+from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, forward_steps, prompt_block, prompt_peak,
+                                  slots_held)
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()

@@ -28,7 +28,7 @@ import time
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
+from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
 from kvtrim.vllm.spec import method_for_vllm
 from kvtrim.vllm.worker_check import check_vllm_version

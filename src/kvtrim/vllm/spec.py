@@ -17,7 +17,8 @@ number of entries that depends on token counts only:
 * TOVA (`budget=`, `compression_ratio=`): the prompt's last query at its end, then each due decode step's
   query, whose attention probabilities over the request's stored entries the compaction computes (an
   append, a recomputed request's tokens after its prompt, hands over its last query: all TOVA reads);
-* H2O (every form): the column sums of its prompt's causal attention at its end (`prompt_sums`: accumulated
+* H2O (every form): the column sums of its prompt's causal attention at its end (`prompt_sums`, its declared
+  `prompt_attention_summary = "sums"`: accumulated
   per prefill chunk from the chunk's queries as the chunk is computed, `layers x kv_heads x prompt` floats;
   no prompt query is held), then each decode step's
   probabilities, computed as TOVA's, accumulated in its per-entry scores, which `RequestEntries.states`
@@ -30,8 +31,8 @@ number of entries that depends on token counts only:
   `prompt_queries()` queries at its end when it `needs_queries`, each due decode step's probabilities, an
   append's queries;
 * not: queries elsewhere (appends' or decode steps' for a ranking method), scoring passes and cross-layer decisions (KVzip), head-wise
-  budgets (AdaKV: per-head counts, which vLLM's shared block table cannot hold) and `skip_layers` (layers
-  keeping different counts);
+  budgets (AdaKV, declared `same_count_per_head = False`: per-head counts, which vLLM's shared block table
+  cannot hold) and `skip_layers` (layers keeping different counts);
 * `full` keeps everything.
 
 Methods that installed packages register through the `kvtrim.methods` entry points are found here too:
@@ -44,9 +45,7 @@ import logging
 from functools import cache, lru_cache
 
 from kvtrim.methods import FullCache, load_entry_points
-from kvtrim.methods.adakv import AdaKV
 from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
-from kvtrim.methods.h2o import H2O
 from kvtrim.specs import parse_method_spec
 
 
@@ -55,9 +54,12 @@ def refusal(method: EvictionMethod) -> str | None:
     name = type(method).__name__
     if isinstance(method, FullCache):
         return None
-    if isinstance(method, AdaKV):
+    if not method.same_count_per_head:
         return (f"{name} keeps a different number of entries per KV head, which vLLM's block table (one per "
                 "request, shared by every head) cannot hold")
+    if method.prompt_attention_summary not in (None, "sums"):
+        return (f"{name}: prompt_attention_summary {method.prompt_attention_summary!r} is not one kvtrim's vLLM "
+                "worker computes (None or 'sums')")
     if method.scoring_passes or method.cross_layer:
         return f"{name} is not supported inside vLLM yet (scoring passes / cross-layer decisions)"
     if method.needs_attention:  # handed each decode step's probabilities (and appends' queries) as in transformers
@@ -73,11 +75,12 @@ def refusal(method: EvictionMethod) -> str | None:
     return None
 
 
-def prompt_sums(method: EvictionMethod) -> bool:
-    """True for a method that reads its prompt's attention as the column sums of its causal attention (H2O: its
-    accumulated scores start with them): the engine adds each prefill chunk's sums as the chunk is computed
-    (`LayerView.attention_sums`) instead of holding every prompt query until the prompt ends."""
-    return isinstance(method, H2O)
+def prompt_sums(method: EvictionMethod | None) -> bool:
+    """True for a method that reads its prompt's attention as the column sums of its causal attention
+    (`prompt_attention_summary = "sums"`; H2O: its accumulated scores start with them): the engine adds each
+    prefill chunk's sums as the chunk is computed (`LayerView.attention_sums`) instead of holding every prompt
+    query until the prompt ends. False for None (`full`)."""
+    return method is not None and method.prompt_attention_summary == "sums"
 
 
 def prompt_queries(method: EvictionMethod) -> int:

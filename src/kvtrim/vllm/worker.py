@@ -49,8 +49,11 @@ import torch
 
 from kvtrim.methods.base import KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.compact import (FAILED_ATTR, PLAN_ATTR, RequestEntries, StepPlan, add_prompt_sums, block_end,
-                                 blocks_needed, compact, prompt_block, slots_held)
+from kvtrim.vllm.block_io import add_prompt_sums
+from kvtrim.vllm.compact import compact
+from kvtrim.vllm.entries import RequestEntries
+from kvtrim.vllm.planning import (FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, blocks_needed, prompt_block,
+                                  slots_held)
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import layout as cpu_vec
@@ -186,10 +189,10 @@ class TrimModelRunner(CPUModelRunner):
             due = plan.due.get(req_id)
             if due is not None:
                 self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
-                if due.steps[-1][0] is not Phase.PREFILL and self.kvtrim_attention and self.kvtrim_method(req_id).needs_attention:
+                if due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and self.kvtrim_method(req_id).needs_attention:
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
-                    self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1][2], row_end)
+                    self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
             if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(
                     self.kvtrim_method(req_id)):
                 # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
@@ -248,7 +251,7 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_step_s += time.perf_counter() - start
         if scheduler_output.total_num_scheduled_tokens:
             self.kvtrim_steps += 1
-            if self.kvtrim_steps % 16 == 0 or any(plan.steps[0][1] for _, plan, _ in due):
+            if self.kvtrim_steps % 16 == 0 or any(plan.steps[0].ends_prompt for _, plan, _ in due):
                 self._log_stats()
         return out
 
@@ -312,19 +315,19 @@ class TrimModelRunner(CPUModelRunner):
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
             queries = sums = None
-            if prompt_sums(method) and steps[0][0] is Phase.PREFILL:  # H2O: its prompt's attention, summed
+            if prompt_sums(method) and steps[0].phase is Phase.PREFILL:  # H2O: its prompt's attention, summed
                 sums = self.kvtrim_prompt_sums.pop(req_id, None)
                 if sums is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its prompt, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
-            elif method.needs_queries and steps[0][0] is Phase.PREFILL:  # SnapKV: the prompt block's last queries
+            elif method.needs_queries and steps[0].phase is Phase.PREFILL:  # SnapKV: the prompt block's last queries
                 queries = self.kvtrim_prompt_queries(req_id)
                 self.kvtrim_tap.forget(req_id)  # read once: the window's memory goes with the compaction
                 if queries is None:
                     raise KvtrimError(f"{type(method).__name__} needs the prompt's queries, which this engine's "
                                       "attention does not hand over (kvtrim's attention backend is not in every layer)")
             last = None
-            if method.needs_attention and steps[-1][0] is not Phase.PREFILL:  # TOVA, H2O: the step's queries
+            if method.needs_attention and steps[-1].phase is not Phase.PREFILL:  # TOVA, H2O: the step's queries
                 last = self.kvtrim_tap.take_last(req_id)
                 if last is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
@@ -349,11 +352,12 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
         self.kvtrim_compaction_s += seconds
-        when = "prompt" if steps[0][1] else "prompt block" if steps[0][0] is Phase.PREFILL else steps[-1][0].value
-        if steps[0][0] is not Phase.PREFILL:  # decode steps and appends: one line when the request ends
+        when = ("prompt" if steps[0].ends_prompt else "prompt block" if steps[0].phase is Phase.PREFILL
+                else steps[-1].phase.value)
+        if steps[0].phase is not Phase.PREFILL:  # decode steps and appends: one line when the request ends
             self.kvtrim_later_compactions[req_id] = self.kvtrim_later_compactions.get(req_id, 0) + 1
         # a line per prompt (block); one per decode step (every step of a TOVA request) only at debug level
-        (logger.info if steps[0][0] is Phase.PREFILL else logger.debug)(
+        (logger.info if steps[0].phase is Phase.PREFILL else logger.debug)(
             "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,
             type(method).__name__, 1000 * seconds)
 

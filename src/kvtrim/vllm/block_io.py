@@ -1,0 +1,84 @@
+"""Reads and writes of a request's entries in its vLLM blocks: the stored keys and values a compaction
+reads, the moves that put the kept entries into the first slots (`fill_holes`), and H2O's prompt
+attention sums read chunk by chunk. `layout`: how the caches store their blocks
+(`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtrim.methods.base import EvictionMethod
+from kvtrim.methods.h2o import prompt_attention_sums
+from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm.block_layout import BlockLayout
+from kvtrim.vllm.layout import slot_places
+
+
+def fill_holes(kept: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which entries move so that the `n_keep` kept entries of each row of `kept` `(kv_heads, stored)` (bool,
+    `n_keep` True per row) occupy slots `0..n_keep - 1`: each slot below `n_keep` that lost its entry takes a
+    kept entry from a slot at or past `n_keep` (both in slot order). Returns the moves, `heads`, `from_slots`,
+    `to_slots` `(moves,)` each, and `order` `(kv_heads, n_keep)`: afterwards slot `j` of head `i` holds the
+    entry that was at slot `order[i, j]`."""
+    holes = (~kept[:, :n_keep]).nonzero()  # (moves, 2): row-major, so each head's holes in slot order ...
+    sources = kept[:, n_keep:].nonzero()  # ... and its sources, the same number per head
+    heads, to_slots, from_slots = holes[:, 0], holes[:, 1], sources[:, 1] + n_keep
+    order = torch.arange(n_keep).expand(kept.shape[0], -1).clone()
+    order[heads, to_slots] = from_slots
+    return heads, from_slots, to_slots, order
+
+
+def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                    queries: list[torch.Tensor], computed: int, scales: list[float], block: int,
+                    layout: BlockLayout = cpu_vec) -> None:
+    """Add to each layer's `sums` `(kv_heads, prompt)` float32 the column sums of the causal attention of a prefill
+    chunk's queries `(q_heads, rows, head_dim)` (positions `computed .. computed + rows - 1`) over the request's
+    keys up to the chunk's last position, by H2O's own rule (`prompt_attention_sums`, in blocks of `block` query
+    rows). The sums are additive over query rows: chunk by chunk they are the whole prompt's, without holding its
+    queries. Nothing is compacted before such a prompt ends (it is one block): entry `i` is token `i`. `layout`:
+    how the caches store their blocks (`kvtrim.vllm.block_layout`)."""
+    visible = computed + queries[0].shape[1]
+    for kv, q, scale, total in zip(kv_caches, queries, scales, sums):
+        keys = layout.read_keys(kv, block_ids, visible)  # (kv_heads, visible, head_dim)
+        total[:, :visible] += prompt_attention_sums(q[None], keys[None], scale, block)[0]
+
+
+
+def read_stored(layout: BlockLayout, method: EvictionMethod, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's first `n` stored keys and values `(h, n, d)` in slot order; keys and None for a method that reads
+    no values (`reads_values`): it gets stand-ins (`decide`) and its kept entries move inside the pool
+    (`store_moves`)."""
+    if method.reads_values:
+        return layout.read_request(kv_cache, block_ids, n)
+    return layout.read_keys(kv_cache, block_ids, n), None
+
+
+def store_moves(layout: BlockLayout, kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor,
+                from_slots: torch.Tensor, to_slots: torch.Tensor, keys: torch.Tensor | None = None,
+                values: torch.Tensor | None = None) -> None:
+    """Put KV head `heads[i]`'s entry at slot `from_slots[i]` into slot `to_slots[i]` of one layer: written from the
+    copies read (`keys`, `values` `(h, stored, d)`, slot order), or, when its values were not read, copied inside
+    the pool."""
+    if values is None:
+        block_size = kv_cache.shape[2]
+        layout.move_entries(kv_cache, heads, slot_places(block_ids, from_slots, block_size),
+                            slot_places(block_ids, to_slots, block_size))
+    else:
+        layout.write_entries(kv_cache, block_ids, heads, to_slots, keys[heads, from_slots], values[heads, from_slots])
+
+
+def fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], torch.Tensor]:
+    """`fill_holes` for a batch of layers `kept` `(layers, kv_heads, stored)`: each layer's moves `(layer, heads,
+    from_slots, to_slots)` (layers with none left out) and `order` `(layers, kv_heads, n_keep)`."""
+    n_layers, h, stored = kept.shape
+    rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
+    moves = []
+    if rows.numel():
+        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
+        for idx, (r, f, t) in enumerate(zip(rows.split(per_layer), from_slots.split(per_layer),
+                                            to_slots.split(per_layer))):
+            if r.numel():
+                moves.append((idx, r - idx * h, f, t))
+    return moves, order.view(n_layers, h, n_keep)
+
