@@ -77,12 +77,12 @@ def test_methods_with_their_own_rules_run_on_stand_in_keys(spec):
 
 def test_plan_forward_starts_a_request_afresh():
     method = parse_method_spec("streaming:budget=40").build()
-    counts = {}
-    due = plan_forward(counts, "r", method, 0, 100, 100)
+    counts, due = plan_forward(None, method, 0, 100, 100)
     assert due is not None and due.end == 100 and due.discarded == 60 and due.steps[0].ends_prompt
-    assert plan_forward(counts, "r", method, 100, 101, 100).discarded == 61  # every step over budget evicts
-    assert plan_forward(counts, "r", method, 0, 50, 100) is None  # recomputed: a new first chunk, nothing due yet
-    assert "r" not in counts
+    counts, due = plan_forward(counts, method, 100, 101, 100)
+    assert due.discarded == 61  # every step over budget evicts
+    again, due = plan_forward(counts, method, 0, 50, 100)
+    assert due is None and again is None  # recomputed: a new first chunk, nothing due yet, its counts start over
 
 
 def block_forwards(prompt: int, total: int, block: int, chunk: int) -> list[tuple[int, int]]:

@@ -37,7 +37,7 @@ def request_cost(spec: str) -> dict:
     method = parse_method_spec(spec).build()
     caches = [torch.randn(POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
-    entries, counts, discarded = RequestEntries(), {}, 0
+    entries, counts, discarded = RequestEntries(), None, 0
     fresh = torch.randn(2, PROMPT + OUTPUT, KV_HEADS, HEAD_DIM).bfloat16()  # (k/v, token, head, d)
     window = prompt_queries(method) if method.needs_queries else 0
     queries = [torch.randn(Q_HEADS, window, HEAD_DIM).bfloat16() for _ in range(LAYERS)] if window else None
@@ -53,7 +53,7 @@ def request_cost(spec: str) -> dict:
     plan_s, compactions = [], []
     for computed, end in forwards:
         t0 = time.perf_counter()
-        due = plan_forward(counts, "request", method, computed, end, PROMPT)
+        counts, due = plan_forward(counts, method, computed, end, PROMPT)
         t1 = time.perf_counter()
         hole = entries.fill_hole(computed)  # the worker's part of the forward: its first token may take a hole
         t2 = time.perf_counter()

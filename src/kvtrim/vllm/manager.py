@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrim.methods.base import EvictionMethod
-from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, forward_steps, prompt_block, prompt_peak,
+from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, plan_forward, prompt_block, prompt_peak,
                                   slots_held)
 from kvtrim.vllm.worker_check import check_vllm_version
 
@@ -119,16 +119,8 @@ class TrimAttentionManager(FullAttentionManager):
         state = self.states.get(request_id)
         if state is None or state.method is None or request_id in self.failed:
             return None
-        state.due = None
-        if computed == 0:
-            state.counts = None
-        steps = forward_steps(computed, end, state.request.num_prompt_tokens, prompt_block(state.method))
-        if not steps:
-            return None
-        if state.counts is None:
-            state.counts = StoredCounts(state.method)
-        if state.counts.advance(steps):
-            state.due = Due(steps, end, state.counts.discarded)
+        state.counts, state.due = plan_forward(state.counts, state.method, computed, end,
+                                               state.request.num_prompt_tokens)
         return state.due
 
     def compacted(self, request_id: str) -> int:

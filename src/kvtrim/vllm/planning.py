@@ -16,9 +16,9 @@ method's own `target` on the counts when its schedule alone decides them (KeyDif
 SnapKV, TOVA, H2O, whose attention picks only which entries: no tensors, 7-21 µs a step), else the method
 run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores after each
 forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on
-token counts only (`kvtrim.vllm.spec`), so the scheduler frees blocks by these counts and tells the worker,
-with each step's `SchedulerOutput` (`PLAN_ATTR`), which requests to compact and the count each must reach
-(`plan_forward`); the worker applies the method (`kvtrim.vllm.compact`) and checks its real count against it
+token counts only (`kvtrim.vllm.spec`), so the scheduler's manager (`kvtrim.vllm.manager.TrimAttentionManager`)
+frees blocks by these counts and tells the worker, with each step's `SchedulerOutput` (`PLAN_ATTR`), which
+requests to compact and the count each must reach (`plan_forward`); the worker applies the method (`kvtrim.vllm.compact`) and checks its real count against it
 (a disagreement ends that request only).
 
 Forwards that are not due are not shown to the real method (reading a request's whole cache at every
@@ -240,20 +240,19 @@ class StoredCounts:
         return torch.randn(1, 1, min(q, self.method.prompt_queries() or q), 8, generator=self._gen)
 
 
-def plan_forward(all_counts: dict[str, StoredCounts], req_id: str, method: EvictionMethod, computed: int,
-                 end: int, prompt_tokens: int) -> Due | None:
-    """Tell request `req_id`'s counts (created in `all_counts` at its first forward; a request that starts
-    over, `computed == 0`, starts afresh) a forward computing its tokens `computed`..`end - 1`: the `Due`
-    compaction after it, or None when the method does nothing there."""
+def plan_forward(counts: StoredCounts | None, method: EvictionMethod, computed: int, end: int,
+                 prompt_tokens: int) -> tuple[StoredCounts | None, Due | None]:
+    """Tell a request's `counts` (None before its first forward) a forward computing its tokens `computed`..`end - 1`.
+    Returns its counts afterwards (new at its first forward; a request that starts over, `computed == 0`, starts
+    afresh) and the `Due` compaction after the forward, or None when the method does nothing there."""
     if computed == 0:
-        all_counts.pop(req_id, None)
+        counts = None
     steps = forward_steps(computed, end, prompt_tokens, prompt_block(method))
     if not steps:
-        return None
-    counts = all_counts.get(req_id)
+        return counts, None
     if counts is None:
-        counts = all_counts[req_id] = StoredCounts(method)
-    return Due(steps, end, counts.discarded) if counts.advance(steps) else None
+        counts = StoredCounts(method)
+    return counts, (Due(steps, end, counts.discarded) if counts.advance(steps) else None)
 
 
 def prompt_peak(method: EvictionMethod, prompt_tokens: int) -> int:
