@@ -28,7 +28,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once the block's last
   forward has run, and the compaction there gives each layer's to the method (SnapKV, TOVA; `kvtrim.vllm.compact`).
   For H2O (`prompt_sums`) each prefill chunk's queries are copied and, right after its forward, reduced to the
-  column sums of their causal attention (`kvtrim_prompt_sums`), which its prompt's compaction hands over. A due forward after
+  column sums of their causal attention (`WorkerRequest.prompt_sums`), which its prompt's compaction hands over. A due forward after
   the prompt of a request whose method `needs_attention` (TOVA, H2O) also copies the queries of its tokens
   after the prompt, from which its compaction computes a decode step's attention probabilities (`compact`). Without the hand-off such a request fails alone
   at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
@@ -43,11 +43,12 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kvtrim.methods.base import KvtrimError, Phase
+from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase
 from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.block_io import add_prompt_sums
 from kvtrim.vllm.compact import compact
@@ -76,6 +77,25 @@ from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 logger = init_logger("vllm.kvtrim")  # under vLLM's logger, so its handler prints it
 
 
+@dataclass
+class WorkerRequest:
+    """The worker's state of one request, from its first forward (again after a preemption: it is recomputed)
+    until it finishes or is aborted (`TrimModelRunner._kvtrim_forget`, the one cleanup path; the attention
+    hand-off's copies of its queries go with it)."""
+
+    #: its method (None: `full`)
+    method: EvictionMethod | None
+    #: what its stored entries are (positions per slot, the method's per-layer state)
+    entries: RequestEntries = field(default_factory=RequestEntries)
+    #: entries discarded by compaction (what it stores = its tokens - discarded), as the scheduler's plans say
+    discarded: int = 0
+    #: per layer, the column sums `(kv_heads, prompt)` float32 of its prompt's causal attention so far (a method
+    #: given them, `prompt_sums`: H2O), added after each prefill chunk's forward
+    prompt_sums: list[torch.Tensor] | None = None
+    #: its compactions after its prompt so far (one log line when it ends, not one per compaction)
+    later_compactions: int = 0
+
+
 class TrimModelRunner(CPUModelRunner):
     """vLLM's CPU model runner plus compaction at the prompt's end (see the module docstring)."""
 
@@ -84,10 +104,8 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_default = server_method(vllm_config)
         method_for_vllm(self.kvtrim_default)  # a bad server default fails at start, in one line
         super().__init__(vllm_config, device)
-        #: req_id -> entries discarded by compaction (the stored count is the token count minus it)
-        self.kvtrim_discarded: dict[str, int] = {}
-        #: per request: what its stored entries are
-        self.kvtrim_entries: dict[str, RequestEntries] = {}
+        #: req_id -> the request's `WorkerRequest`
+        self.kvtrim_requests: dict[str, WorkerRequest] = {}
         #: requests due after the forward being prepared: (req_id, the scheduler's `Due`, tokens after the forward)
         self._kvtrim_due: list[tuple] = []
         #: requests whose compaction failed in this step: req_id -> why (handed to the scheduler)
@@ -97,8 +115,6 @@ class TrimModelRunner(CPUModelRunner):
         #: compactions done and entries discarded (for logs and tests)
         self.kvtrim_compactions = 0
         self.kvtrim_evicted = 0
-        #: req_id -> its compactions after its prompt so far (one line when it ends, not one per compaction)
-        self.kvtrim_later_compactions: dict[str, int] = {}
         #: model steps, their seconds (execute_model + sample_tokens) and the compactions' share of them
         self.kvtrim_steps = 0
         self.kvtrim_step_s = 0.0
@@ -109,9 +125,6 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_attention = False
         #: each attention layer's softmax scale, in layer order (set by `load_model`; handed to methods with queries)
         self.kvtrim_scales: list[float] | None = None
-        #: req_id -> per layer, the column sums `(kv_heads, prompt)` float32 of its prompt's causal attention so far
-        #: (`prompt_sums` methods: H2O), added after each prefill chunk's forward
-        self.kvtrim_prompt_sums: dict[str, list[torch.Tensor]] = {}
         #: this step's requests whose prompt rows give sums: req_id -> (first position, prompt rows) of its rows
         self._kvtrim_sum_rows: dict[str, tuple[int, int]] = {}
 
@@ -147,10 +160,17 @@ class TrimModelRunner(CPUModelRunner):
         head_dim)` post-RoPE in the model's dtype, once the forward that completes it has run; else None."""
         return self.kvtrim_tap.window(req_id)
 
-    def kvtrim_method(self, req_id: str):
-        params = self.requests[req_id].sampling_params
-        extra = (params.extra_args or {}) if params is not None else {}
-        return method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default))
+    def kvtrim_request(self, req_id: str) -> WorkerRequest:
+        """Request `req_id`'s state (started at its first forward, with its method)."""
+        req = self.kvtrim_requests.get(req_id)
+        if req is None:
+            params = self.requests[req_id].sampling_params
+            extra = (params.extra_args or {}) if params is not None else {}
+            req = self.kvtrim_requests[req_id] = WorkerRequest(method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default)))
+        return req
+
+    def kvtrim_method(self, req_id: str) -> EvictionMethod | None:
+        return self.kvtrim_request(req_id).method
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
@@ -179,22 +199,21 @@ class TrimModelRunner(CPUModelRunner):
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
-            discarded[i] = self.kvtrim_discarded.get(req_id, 0)
+            req = self.kvtrim_request(req_id)
+            discarded[i] = req.discarded
             prompt = self.requests[req_id].num_prompt_tokens
             if computed[i] < prompt and num_scheduled_tokens[i]:  # a prompt forward: does it copy queries?
                 self._kvtrim_plan_queries(req_id, i, int(computed[i]), int(num_scheduled_tokens[i]), prompt)
-            entries = self.kvtrim_entries.get(req_id)
-            if entries is not None and entries.hole is not None and num_scheduled_tokens[i]:
-                holes.append((i, entries.fill_hole(int(computed[i]))))
+            if req.entries.hole is not None and num_scheduled_tokens[i]:
+                holes.append((i, req.entries.fill_hole(int(computed[i]))))
             due = plan.due.get(req_id)
             if due is not None:
                 self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
-                if due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and self.kvtrim_method(req_id).needs_attention:
+                if due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and req.method.needs_attention:
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
                     self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
-            if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(
-                    self.kvtrim_method(req_id)):
+            if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(req.method):
                 # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
                 row_start = int(self.query_start_loc.np[i])
                 self.kvtrim_tap.plan_last(req_id, row_start, row_start + int(num_scheduled_tokens[i]))
@@ -242,10 +261,10 @@ class TrimModelRunner(CPUModelRunner):
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
         for req_id in scheduler_output.finished_req_ids:
-            later, entries = self.kvtrim_later_compactions.pop(req_id, 0), self.kvtrim_entries.get(req_id)
-            if later and entries is not None:
+            req = self.kvtrim_requests.get(req_id)
+            if req is not None and req.later_compactions:
                 logger.info("kvtrim: request %s ended after %d compactions past its prompt, storing %d of %d entries",
-                            req_id, later, entries.seen - self.kvtrim_discarded.get(req_id, 0), entries.seen)
+                            req_id, req.later_compactions, req.entries.seen - req.discarded, req.entries.seen)
             self._kvtrim_forget(req_id)
         self._hand_over_failures(out)
         self.kvtrim_step_s += time.perf_counter() - start
@@ -277,26 +296,26 @@ class TrimModelRunner(CPUModelRunner):
                     self.kvtrim_evicted)
 
     def _kvtrim_forget(self, req_id: str) -> None:
-        self.kvtrim_discarded.pop(req_id, None)
-        self.kvtrim_entries.pop(req_id, None)
-        self.kvtrim_prompt_sums.pop(req_id, None)
+        """The one cleanup path: a request that ends, or starts over, leaves nothing behind."""
+        self.kvtrim_requests.pop(req_id, None)
         self.kvtrim_tap.forget(req_id)
 
     def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
         """Add the column sums of the causal attention of request `req_id`'s prompt rows of this forward (positions
-        `computed .. computed + rows - 1`) to its `kvtrim_prompt_sums` (`add_prompt_sums`), from the queries the tap
+        `computed .. computed + rows - 1`) to its `WorkerRequest.prompt_sums` (`add_prompt_sums`), from the queries the tap
         copied; the queries are dropped (those of tokens after the prompt, a recomputed request's, stay for its
         compaction)."""
         queries = self.kvtrim_tap.take_last(req_id)
         if queries is None:
             return  # nothing copied: its compaction finds no sums and fails that request alone
-        method, state = self.kvtrim_method(req_id), self.requests[req_id]
+        req, state = self.kvtrim_request(req_id), self.requests[req_id]
+        method = req.method
         if rows < queries[0].shape[1]:
             self.kvtrim_tap.last[req_id] = {idx: q[:, rows:] for idx, q in enumerate(queries)}
-        sums = self.kvtrim_prompt_sums.get(req_id)
+        sums = req.prompt_sums
         if sums is None:
             h = self.kv_caches[0].shape[1]
-            sums = self.kvtrim_prompt_sums[req_id] = [torch.zeros(h, state.num_prompt_tokens) for _ in self.kv_caches]
+            sums = req.prompt_sums = [torch.zeros(h, state.num_prompt_tokens) for _ in self.kv_caches]
         add_prompt_sums(sums, self.kv_caches, torch.tensor(state.block_ids[0], dtype=torch.long),
                         [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block,
                         self._kvtrim_layout)
@@ -306,17 +325,15 @@ class TrimModelRunner(CPUModelRunner):
         to `end` tokens; check the count against the plan."""
         start = time.perf_counter()
         steps, expected = plan.steps, plan.discarded
-        method = self.kvtrim_method(req_id)
-        state = self.requests[req_id]
+        req, state = self.kvtrim_request(req_id), self.requests[req_id]
+        method, entries, before = req.method, req.entries, req.discarded
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
-        entries = self.kvtrim_entries.setdefault(req_id, RequestEntries())
-        before = self.kvtrim_discarded.get(req_id, 0)
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
             queries = sums = None
             if prompt_sums(method) and steps[0].phase is Phase.PREFILL:  # H2O: its prompt's attention, summed
-                sums = self.kvtrim_prompt_sums.pop(req_id, None)
+                sums, req.prompt_sums = req.prompt_sums, None
                 if sums is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its prompt, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
@@ -342,11 +359,11 @@ class TrimModelRunner(CPUModelRunner):
             logger.error("kvtrim: request %s fails: %s", req_id, why)
             self._kvtrim_failed[req_id] = why  # the scheduler ends it; its blocks go back with it
             # until it ends, its slots follow the scheduler's count (its entries no longer matter)
-            self.kvtrim_discarded[req_id] = expected
+            req.discarded = expected
             entries.hole = None
             self._drop_tail_blocks(req_id, slots_held(plan))
             return
-        self.kvtrim_discarded[req_id] = gone
+        req.discarded = gone
         self._drop_tail_blocks(req_id, slots_held(plan))
         self.kvtrim_compactions += 1
         self.kvtrim_evicted += gone - before
@@ -355,7 +372,7 @@ class TrimModelRunner(CPUModelRunner):
         when = ("prompt" if steps[0].ends_prompt else "prompt block" if steps[0].phase is Phase.PREFILL
                 else steps[-1].phase.value)
         if steps[0].phase is not Phase.PREFILL:  # decode steps and appends: one line when the request ends
-            self.kvtrim_later_compactions[req_id] = self.kvtrim_later_compactions.get(req_id, 0) + 1
+            req.later_compactions += 1
         # a line per prompt (block); one per decode step (every step of a TOVA request) only at debug level
         (logger.info if steps[0].phase is Phase.PREFILL else logger.debug)(
             "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,

@@ -48,9 +48,9 @@ class ProbeRunner(TrimModelRunner):
         if req_id in self._kvtrim_failed:
             self.probe_failed[name] = self._kvtrim_failed[req_id]
         else:
-            positions = torch.stack([p.sort(dim=-1).values for p in self.kvtrim_entries[req_id].positions])
+            positions = torch.stack([p.sort(dim=-1).values for p in self.kvtrim_requests[req_id].entries.positions])
             self.probe_latest[name] = (end, positions)
-            if plan.steps[0][1]:  # the prompt's compaction
+            if plan.steps[0].ends_prompt:  # the prompt's compaction
                 self.probe_kept[name] = positions
 
     def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
@@ -92,5 +92,6 @@ class ProbeWorker(TrimCPUWorker):
                     "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
                     "copies": runner.kvtrim_tap.copies, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed,
                     "sum_chunks": runner.probe_sum_chunks,
-                    "sums_held": [runner._probe_args(r).get("probe", r) for r in runner.kvtrim_prompt_sums]},
+                    "sums_held": [runner._probe_args(r).get("probe", r) for r, state in runner.kvtrim_requests.items()
+                                  if state.prompt_sums is not None]},
                    path)
