@@ -84,6 +84,7 @@ def test_installed_methods_are_found(monkeypatch):
         assert type(method).__name__ == "WidthDependent" and method.compression_ratio == 0.5
     finally:
         METHODS.pop("width_dependent", None)
+        METHODS.pop("raises_in_score", None)
         sys.modules.pop("kvtrim_contract_breaker", None)
         spec._method.cache_clear()
 

@@ -21,3 +21,19 @@ class WidthDependent(ScoringMethod):
     def target(self, view):
         n = super().target(view)
         return None if n is None else n - int(view.keys.shape[-1] > 8)
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesInScore(ScoringMethod):
+    """A method whose `score` raises on the worker's real keys (the scheduler counts it by schedule, without
+    keys: it never scores there): the server must end its request with an error its client sees (HTTP 500,
+    or an error event when streaming) and go on serving the others."""
+
+    name = "raises_in_score"
+    summary = "test only: KNorm whose score raises on keys wider than 8"
+
+    def score(self, view):
+        if view.keys.shape[-1] != 8:  # the stand-in keys (head_dim 8), should a planner ever score them
+            raise RuntimeError("raises_in_score: the score failed on purpose")
+        return -view.keys.float().norm(dim=-1)
