@@ -395,6 +395,31 @@ def test_a_failed_compaction_ends_that_request_only():
     assert free_blocks(s) == 40 and not s.trim.states
 
 
+@pytest.mark.parametrize("ends", ["max_tokens", "eos"])
+def test_a_failed_compaction_is_an_error_even_when_its_step_token_ends_the_request(ends):
+    """The token sampled in the failing step would end the request (its `max_tokens`, or EOS): the request still
+    ends with the error and that token is never handed over (handed over before the error, its client saw a
+    success: a 200 with finish_reason "length" or "stop")."""
+    from kvtrim.vllm.planning import FAILED_ATTR
+
+    s = make_scheduler(40)
+    for i in range(2):
+        params = SamplingParams(max_tokens=1 if ends == "max_tokens" else 8, ignore_eos=ends != "eos",
+                                extra_args={"kvtrim": "keydiff:compression_ratio=0.75"})
+        params.update_from_generation_config({}, eos_token_id=7)  # as vLLM's input processor does
+        s.add_request(Request(f"r{i}", list(range(100 + i, 260 + i)), params, None))
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[7] for _ in ids])
+    setattr(result, FAILED_ATTR, {"r0": "KeyDiff discarded 119 of 160 entries, the scheduler expected 120"})
+    outputs = [o for client in s.update_from_output(out, result).values() for o in client.outputs]
+    got = {r: [(o.new_token_ids, getattr(o.finish_reason, "name", None)) for o in outputs if o.request_id == r]
+           for r in ids}  # (FinishReason.STOP is 0)
+    assert got == {"r0": [([], "ERROR")], "r1": [([7], "LENGTH" if ends == "max_tokens" else "STOP")]}
+    assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 40 and not s.requests
+
+
 @pytest.mark.parametrize("cache, async_scheduling, words", [
     ({"cache_dtype": "fp8"}, False, "quantised KV cache (--kv-cache-dtype fp8)"),
     (None, True, "async scheduling"),

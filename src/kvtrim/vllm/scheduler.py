@@ -132,14 +132,23 @@ class TrimScheduler(Scheduler):
             if freed:
                 logger.info("kvtrim: request %s returned %d blocks to the pool (%d free)", req_id, freed,
                             self.kv_cache_manager.block_pool.get_num_free_blocks())
+        ended = self.finish_requests(list(failed), RequestStatus.FINISHED_ERROR) if failed else []
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if failed:
-            self._kvtrim_fail(failed, outputs)
+        if ended:
+            self._kvtrim_fail(ended, failed, outputs)
         return outputs
 
-    def _kvtrim_fail(self, failed: dict[str, str], outputs: dict) -> None:
-        """End the requests whose compaction failed with an error, as vLLM ends a request that cannot go on."""
-        for request in self.finish_requests(list(failed), RequestStatus.FINISHED_ERROR):
+    def _kvtrim_fail(self, ended: list, failed: dict[str, str], outputs: dict) -> None:
+        """Hand the clients of the requests that failed (`ended`: in their compaction, planning or admission;
+        finished with `FINISHED_ERROR` before vLLM's `update_from_output`) their error, as vLLM ends a request
+        that cannot go on.
+
+        They are finished before vLLM's update so that it skips them: the token sampled in the failing step is
+        never handed over. Handed over with the error after it, that token could end the request first, and its
+        client saw a success: EOS or `max_tokens` (the request was finished when the error came, which was
+        dropped), or a stop string (the front end ends the request at the token and ignores the error after it
+        in the same batch)."""
+        for request in ended:
             logger.error("kvtrim: request %s ended with an error: %s", request.request_id, failed[request.request_id])
             self.kvtrim_failed_requests += 1
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
