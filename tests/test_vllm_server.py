@@ -216,6 +216,55 @@ def test_a_count_disagreement_ends_that_request_and_the_server_goes_on(server, p
     assert complete(server.url, ["The capital of France is"])[0]  # and the server goes on
 
 
+def test_a_method_that_raises_ends_its_requests_with_an_error_its_client_sees(server, prompts):
+    """An installed method whose `score` raises on the worker's keys (tests/data/contract_breaker
+    `raises_in_score`), sent among four other requests: each of its requests gets an error (HTTP 500, or an
+    error event when streaming), also when the token sampled in the failing step would end it (`max_tokens=1`;
+    a stop string at its first token: either was a 200 with finish_reason "length"/"stop" before); the
+    requests beside them get the answers they get alone, the log has the one-line reason per failed request,
+    the pool is empty after and the server goes on."""
+    texts = [s.prompt for s in prompts[:4]]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    good = {"ignore_eos": True, "vllm_xargs": {"kvtrim": "keydiff:compression_ratio=0.5"}}
+    bad = {"vllm_xargs": {"kvtrim": "raises_in_score:compression_ratio=0.5"}}
+    first = client.completions.create(model=model, prompt=prompts[4].prompt, max_tokens=1, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert first  # (a stop string matches it)
+    sends = [(prompts[4 + i].prompt, kw) for i, kw in enumerate([
+        dict(max_tokens=NEW_TOKENS), dict(max_tokens=1), dict(max_tokens=NEW_TOKENS, stop=[first]),
+        dict(max_tokens=NEW_TOKENS, stream=True), dict(max_tokens=1, stream=True)])]
+
+    def one(job):
+        prompt, kw = job
+        try:
+            if kw is None:  # a good one
+                return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                                 extra_body=good).choices[0].text
+            if not kw.get("stream"):
+                r = client.completions.create(model=model, prompt=prompt, temperature=0, extra_body=bad, **kw)
+                return ("no error", r.choices[0].text, r.choices[0].finish_reason)
+            chunks = [c.choices[0] for c in client.completions.create(model=model, prompt=prompt, temperature=0,
+                                                                      extra_body=bad, **kw)]
+            return ("no error", "".join(c.text for c in chunks), chunks[-1].finish_reason if chunks else None)
+        except openai.APIStatusError as err:
+            return "error" if err.status_code >= 500 else f"status {err.status_code}"
+        except openai.APIError:  # streaming: an error event after the 200 header
+            return "error" if kw and kw.get("stream") else "other error"
+
+    reason = "ended with an error: raises_in_score: the score failed on purpose"
+    before = server.tail(100000).count(reason)
+    jobs = [(t, None) for t in texts[:2]] + sends + [(t, None) for t in texts[2:]]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(one, jobs))
+    answers = got[:2] + got[2 + len(sends):]
+    assert got[2:2 + len(sends)] == ["error"] * len(sends), got
+    assert server.tail(100000).count(reason) - before == len(sends)
+    wait_idle(server.url)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # and the server goes on: the good ones again, alone
+        assert list(pool.map(one, [(t, None) for t in texts])) == answers
+
+
 def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     """Short prompts of different lengths, methods and `full` mixed in one load (some evicting while decoding:
     20 new tokens for those), with bad specs among them (400s); every good request answers and the pool is
