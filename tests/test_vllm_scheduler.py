@@ -437,6 +437,21 @@ def test_features_that_break_compaction_are_refused_at_start(cache, async_schedu
     assert "\n" not in str(err.value)
 
 
+def test_a_kv_connector_is_refused_at_start():
+    """A KV connector (`--kv-transfer-config`; `--kv-offloading-size` sets one too) would save or load compacted
+    blocks as if they held the request's tokens in order."""
+    from vllm.config import KVTransferConfig
+
+    from kvtrim.methods.base import KvtrimError
+    from kvtrim.vllm.config import refuse_features
+
+    cfg = make_config()
+    cfg.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(KvtrimError, match=r"refuses a KV connector .*compacted blocks") as err:
+        refuse_features(cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_sliding_window_and_alibi_models_are_refused():
     from kvtrim.methods.base import KvtrimError
     from kvtrim.vllm.config import refuse_features

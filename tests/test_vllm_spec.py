@@ -89,6 +89,23 @@ def test_installed_methods_are_found(monkeypatch):
         spec._method.cache_clear()
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'], "--kv-transfer-config"),
+    (["--kv_transfer_config.kv_connector=ExampleConnector"], "--kv-transfer-config"),  # vLLM reads it so too
+    (["--kv-offloading-size", "4"], "--kv-offloading-size"),
+    (["--speculative-config={}"], "--speculative-config"),
+    (["--enable-prefix-caching"], "--enable-prefix-caching"),
+])
+def test_serve_refuses_what_compaction_breaks_in_one_line(capsys, flags, words):
+    pytest.importorskip("vllm", reason="kvtrim serve needs vLLM's CPU build (.venv-serve)")
+    from kvtrim.cli import main
+
+    assert main(["serve", "--model", "smollm2-135m", *flags, "--dry-run"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"kvtrim: error: kvtrim serve refuses {words}: ")
+    assert out.err.count("\n") == 1
+
+
 def test_serve_hands_method_and_admission_to_vllm(capsys):
     """`kvtrim serve --dry-run` prints the vLLM command: the server's method and admission go to the scheduler
     and worker through `--additional-config`; a bad admission is one argparse line."""

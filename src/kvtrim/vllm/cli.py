@@ -35,6 +35,9 @@ _OWN = {"--worker-cls": "kvtrim serve sets the worker itself",
 _REFUSED = {
     "--enable-prefix-caching": "prefix caching would share compacted blocks",
     "--speculative-config": "speculative decoding would replay evicted entries",
+    "--kv-transfer-config": "a KV connector would save or load compacted blocks as if they held the tokens in order",
+    "--kv-offloading-size": "KV offloading is a KV connector: it would save or load compacted blocks as if they held "
+                            "the tokens in order",
     "--tensor-parallel-size": "kvtrim's worker runs on one worker only",
     "-tp": "kvtrim's worker runs on one worker only",
     "--pipeline-parallel-size": "kvtrim's worker runs on one worker only",
@@ -64,6 +67,8 @@ def add_parser(sub) -> None:
 def _check_passthrough(extra: list[str]) -> None:
     for arg in extra:
         flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):  # as vLLM reads it: --kv_transfer_config, --kv-transfer-config.kv_connector
+            flag = flag.split(".", 1)[0].replace("_", "-")
         if flag in _REFUSED:
             raise KvtrimError(f"kvtrim serve refuses {flag}: {_REFUSED[flag]}")
         if flag in _OWN and _OWN[flag]:
