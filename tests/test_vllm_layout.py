@@ -1,14 +1,14 @@
 """vLLM's CPU KV block layout and the compaction on it (run from .venv-serve; skipped without vLLM).
 
 The layout is checked against vLLM's own write kernel (`cpu_attn_reshape_and_cache`, as the attention layer
-calls it); the compaction against `TrimCache`'s kept positions on the same keys, for every supported method,
-every layer and every KV head."""
+calls it, with the kernel ISA "vec" whatever vLLM picks on this machine: "amx" packs its blocks otherwise,
+tests/test_vllm_layout_amx.py; "vec16" stores as "vec", checked below); the compaction against `TrimCache`'s
+kept positions on the same keys, for every supported method, every layer and every KV head."""
 
 import pytest
 import torch
 
 vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvtrim import Phase, TrimCache  # noqa: E402
 import kvtrim.vllm.compact as compact_module  # noqa: E402
@@ -16,19 +16,18 @@ from kvtrim.vllm.block_io import fill_holes  # noqa: E402
 from kvtrim.vllm.compact import compact  # noqa: E402
 from kvtrim.vllm.entries import RequestEntries  # noqa: E402
 from kvtrim.vllm.planning import StoredCounts, forward_steps  # noqa: E402
-from kvtrim.vllm.layout import (check_isa, move_entries, read_keys, read_request, slot_places,  # noqa: E402
-                                write_entries)
+from kvtrim.vllm.layout import move_entries, read_keys, read_request, slot_places, write_entries  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 from test_vllm_counts import block_forwards  # noqa: E402
 
 BS, H, D, NB = 32, 3, 64, 12
 
 
-def kernel_write(cache, keys, values, slots):
-    """What the attention layer does: `keys`, `values` `(n, h, d)` written at `slots` `(n,)` by vLLM's kernel."""
+def kernel_write(cache, keys, values, slots, isa="vec"):
+    """What the attention layer does: `keys`, `values` `(n, h, d)` written at `slots` `(n,)` by vLLM's kernel
+    `isa`."""
     nb, h, bs, _ = cache.shape
     k_cache, v_cache = cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-    isa = _get_attn_isa(cache.dtype, bs, cache.shape[-1] // 2)
     vllm_ops.cpu_attn_reshape_and_cache(keys, values, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                         kv_cache_dtype="auto")
 
@@ -40,7 +39,6 @@ def request_slots(block_ids, n):
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16])
 def dtype(request):
-    check_isa(_get_attn_isa(request.param, BS, D))
     return request.param
 
 
@@ -66,6 +64,29 @@ def test_write_lays_out_as_the_kernel(dtype):
     write_entries(ours, blocks, heads, slots, keys[slots, heads], values[slots, heads])
     kernel_write(theirs, keys, values, request_slots(blocks, n))
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("head_dim", [80, 112])
+@pytest.mark.parametrize("vec16_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_vec16_kernel_stores_as_vec(head_dim, vec16_dtype):
+    """vLLM picks the kernel "vec16" for a head size that is a multiple of 16 but not of 32 (any dtype, AMX or not):
+    it lays out a block exactly as "vec" (measured: every byte of the cache, from a random one), so `layout.py`
+    reads and writes it."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    assert _get_attn_isa(vec16_dtype, BS, head_dim) == "vec16"
+    torch.manual_seed(8)
+    blocks = torch.tensor([3, 0, 5])
+    n = 2 * BS + 9
+    keys, values = torch.randn(n, H, head_dim).to(vec16_dtype), torch.randn(n, H, head_dim).to(vec16_dtype)
+    theirs = torch.randn(NB, H, BS, 2 * head_dim).to(vec16_dtype)
+    ours = theirs.clone()
+    kernel_write(theirs, keys, values, request_slots(blocks, n), isa="vec16")
+    heads, slots = torch.arange(H).repeat_interleave(n), torch.arange(n).repeat(H)
+    write_entries(ours, blocks, heads, slots, keys[slots, heads], values[slots, heads])
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    got_k, got_v = read_request(theirs, blocks, n)
+    assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
 
 
 def test_write_entries_is_a_read_modify_write(dtype):
