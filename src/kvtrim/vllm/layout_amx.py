@@ -43,25 +43,36 @@ def _shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kv_cache` `(num_blocks, h, bs, 2d)` -> keys `(num_blocks, h, bs/16, d/2, 16, 2)` and values `(num_blocks,
-    h, d/16, bs/2, 16, 2)` as the kernel packs them (views of the same memory)."""
+    """`kv_cache` `(num_blocks, h, bs, 2d)` -> keys `(num_blocks, h, bs/16, d/2, 16, u)` and values `(num_blocks,
+    h, d/16, bs/2, 16, 2)` as the kernel packs them (views of the same memory). A key's channel pair moves as one:
+    for a 2-byte dtype (bfloat16, the kernel's) the key view holds it as one int32 word (`u` = 1: `_words`), else
+    as its two elements (`u` = 2)."""
     nb, h, bs, d = _shape(kv_cache)
     slabs = kv_cache.view(nb, h, 2, bs * d)
-    return (slabs[:, :, 0].view(nb, h, bs // TILE, d // PAIR, TILE, PAIR),
-            slabs[:, :, 1].view(nb, h, d // TILE, bs // PAIR, TILE, PAIR))
+    keys = _words(slabs[:, :, 0].view(nb, h, bs // TILE, d // PAIR, TILE, PAIR))
+    return keys, slabs[:, :, 1].view(nb, h, d // TILE, bs // PAIR, TILE, PAIR)
 
 
-def _token_major_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Packed keys `(..., blocks, h, bs/16, d/2, 16, 2)` -> a view `(..., h, blocks, bs/16, 16, d/2, 2)`:
-    reshaped, token `i` of the blocks' tokens, channel `c` (strided; `reshape` copies it)."""
-    n = keys.dim()
-    lead = list(range(n - 6))
-    return keys.permute(*lead, n - 5, n - 6, n - 4, n - 2, n - 3, n - 1)
+def _words(pairs: torch.Tensor) -> torch.Tensor:
+    """`pairs` `(..., 2)` of a 2-byte dtype -> a view `(..., 1)` of int32 words (fewer, larger elements to copy: the
+    permuted copies of keys run ~3x faster); other dtypes as they are."""
+    return pairs.view(torch.int32) if pairs.element_size() == 2 else pairs
 
 
-def _token_major_values(values: torch.Tensor) -> torch.Tensor:
-    """Packed values `(blocks, h, d/16, bs/2, 16, 2)` -> a view `(h, blocks, bs/2, 2, d/16, 16)`."""
-    return values.permute(1, 0, 3, 5, 2, 4)
+def _unpack_keys(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed keys `(..., blocks, h, bs/16, d/2, 16, u)` (`_halves`) -> `(..., h, blocks * bs, d)` of `dtype`, token
+    `i` of the blocks' tokens, channel `c` (a copy)."""
+    *lead, used, h, tiles, pairs, tile, unit = packed.shape
+    n = packed.dim()
+    lead_dims = list(range(n - 6))
+    token_major = packed.permute(*lead_dims, n - 5, n - 6, n - 4, n - 2, n - 3, n - 1)
+    return token_major.reshape(*lead, h, used * tiles * tile, pairs * unit).view(dtype)
+
+
+def _unpack_values(packed: torch.Tensor) -> torch.Tensor:
+    """Packed values `(blocks, h, d/16, bs/2, 16, 2)` -> `(h, blocks * bs, d)` (a copy)."""
+    used, h, groups, pairs, tile, pair = packed.shape
+    return packed.permute(1, 0, 3, 5, 2, 4).reshape(h, used * pairs * pair, groups * tile)
 
 
 def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +82,8 @@ def read_request(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tup
     used = -(-n // bs)
     k_half, v_half = _halves(kv_cache)
     ids = block_ids[:used]
-    keys = _token_major_keys(k_half.index_select(0, ids)).reshape(h, used * bs, d)
-    values = _token_major_values(v_half.index_select(0, ids)).reshape(h, used * bs, d)
+    keys = _unpack_keys(k_half.index_select(0, ids), kv_cache.dtype)
+    values = _unpack_values(v_half.index_select(0, ids))
     return keys[:, :n], values[:, :n]
 
 
@@ -81,15 +92,16 @@ def read_keys(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.
     (a copy): `read_request` without the values; only the key halves of the request's blocks are copied."""
     nb, h, bs, d = _shape(kv_cache)
     used = -(-n // bs)
-    keys = _halves(kv_cache)[0].index_select(0, block_ids[:used])
-    return _token_major_keys(keys).reshape(h, used * bs, d)[:, :n]
+    return _unpack_keys(_halves(kv_cache)[0].index_select(0, block_ids[:used]), kv_cache.dtype)[:, :n]
 
 
-def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int, query: torch.Tensor) -> torch.Tensor:
+def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int,
+                       query: torch.Tensor) -> torch.Tensor:
     """`QK^T` (unscaled, the cache's dtype) of one query per layer over the first `n` stored entries of a request
-    whose blocks are `block_ids`, each layer of `kv_caches` read once as a batch row: only the key halves of the
-    request's blocks are copied, then laid out token-major (one more copy) for one matmul per layer, the
-    product `kvtrim.vllm.layout_flash` computes.
+    whose blocks are `block_ids`, one matmul for all layers (the product `kvtrim.vllm.layout_flash` computes): each
+    layer's key halves of the request's blocks are gathered into a small scratch tensor, then laid out token-major
+    (channel pairs as words) into one tensor for all layers (4x faster than gathering all layers, then permuting
+    them: the permuted copy reads a scratch that stays in cache).
 
     Args:
         query: `(layers, q_heads, 1, head_dim)`, query head `i` reading KV head `i // (q_heads // kv_heads)`.
@@ -99,13 +111,16 @@ def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n
     nb, h, bs, d = _shape(kv_caches[0])
     used, layers = -(-n // bs), len(kv_caches)
     ids = block_ids[:used]
-    packed = torch.empty(layers, used, h, bs // TILE, d // PAIR, TILE, PAIR, dtype=kv_caches[0].dtype)
-    for kv, out in zip(kv_caches, packed):
-        torch.index_select(_halves(kv)[0], 0, ids, out=out)
-    keys = _token_major_keys(packed).reshape(layers, h, used * bs, d)
+    halves = [_halves(kv)[0] for kv in kv_caches]
+    _, _, tiles, pairs, tile, unit = halves[0].shape
+    words = torch.empty(layers, h, used, tiles, tile, pairs, unit, dtype=halves[0].dtype)
+    scratch = torch.empty(used, h, tiles, pairs, tile, unit, dtype=halves[0].dtype)
+    for half, out in zip(halves, words):
+        torch.index_select(half, 0, ids, out=scratch)
+        out.copy_(scratch.permute(1, 0, 2, 4, 3, 5))
+    keys = words.view(layers, h, used * bs, pairs * unit).view(kv_caches[0].dtype)
     group = query.shape[1] // h
-    q = query.view(layers, h, group, d)
-    logits = torch.matmul(q, keys.transpose(-1, -2))  # (layers, h, group, slots)
+    logits = torch.matmul(query.view(layers, h, group, d), keys.transpose(-1, -2))  # (layers, h, group, slots)
     return logits.view(layers, h * group, 1, used * bs)[..., :n]
 
 
@@ -117,7 +132,8 @@ def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.
     k_half, v_half = _halves(kv_cache)
     blk, off = slot_places(block_ids, slots, bs)
     m = slots.shape[0]
-    k_half[blk, heads, off // TILE, :, off % TILE] = keys.to(kv_cache.dtype).reshape(m, d // PAIR, PAIR)
+    pairs = keys.to(kv_cache.dtype).contiguous().view(m, d // PAIR, PAIR)
+    k_half[blk, heads, off // TILE, :, off % TILE] = _words(pairs)
     v_half[blk, heads, :, off // PAIR, :, off % PAIR] = values.to(kv_cache.dtype).reshape(m, d // TILE, TILE)
 
 
@@ -127,7 +143,7 @@ def move_entries(kv_cache: torch.Tensor, heads: torch.Tensor, source: tuple[torc
     values, in place: one gather and one scatter per half, nothing converted (same cache, same dtype)."""
     k_half, v_half = _halves(kv_cache)
     (src_blk, src_off), (dst_blk, dst_off) = source, target
-    k_half[dst_blk, heads, dst_off // TILE, :, dst_off % TILE] = k_half[src_blk, heads, src_off // TILE, :,
-                                                                        src_off % TILE]
-    v_half[dst_blk, heads, :, dst_off // PAIR, :, dst_off % PAIR] = v_half[src_blk, heads, :, src_off // PAIR, :,
-                                                                           src_off % PAIR]
+    k_half[dst_blk, heads, dst_off // TILE, :, dst_off % TILE] = \
+        k_half[src_blk, heads, src_off // TILE, :, src_off % TILE]
+    v_half[dst_blk, heads, :, dst_off // PAIR, :, dst_off % PAIR] = \
+        v_half[src_blk, heads, :, src_off // PAIR, :, src_off % PAIR]
