@@ -3,7 +3,8 @@
 Pieces (each through one of vLLM's extension points; vLLM's files are never edited):
 
 * `kvtrim.vllm.spec`: which methods run in the engine, and the one-line refusals (no vLLM import).
-* `kvtrim.vllm.layout`: the CPU backend's KV block layout, read and written as `(kv_heads, n, head_dim)`.
+* `kvtrim.vllm.layout`: the CPU backend's KV block layout (kernels "vec", "vec16"), read and written as
+  `(kv_heads, n, head_dim)`; `kvtrim.vllm.layout_amx`: the same for its "amx" kernel (`block_layout` picks).
 * `kvtrim.vllm.planning`: what each forward of a request is to its method, and how many entries the request
   stores after it (the scheduler's counts and plan).
 * `kvtrim.vllm.compact`: the kept positions of one request, chosen by a `TrimCache` (the same code path
