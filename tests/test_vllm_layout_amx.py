@@ -277,6 +277,15 @@ def test_request_key_logits_is_a_matmul(dtype):
     torch.testing.assert_close(got, cpu_vec.request_key_logits(vec, blocks, n, query), **exact)
 
 
+def test_shapes_the_packing_was_not_measured_on_are_refused_in_one_line():
+    from kvtrim.methods.base import KvtrimError
+
+    for bs, d in ((32, 80), (16, 64), (48, 64)):
+        with pytest.raises(KvtrimError) as refused:
+            read_keys(torch.zeros(4, 2, bs, 2 * d, dtype=torch.bfloat16), torch.tensor([1]), 3)
+        assert "\n" not in str(refused.value)
+
+
 def test_the_chooser_picks_the_cpu_kernels_layout():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

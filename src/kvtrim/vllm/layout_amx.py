@@ -31,14 +31,19 @@ __all__ = ["ISA", "move_entries", "read_keys", "read_request", "request_key_logi
 ISA = "amx"
 #: tokens (keys) and channels (values) per tile row group; elements per pair
 TILE, PAIR = 16, 2
+#: block sizes and head sizes (multiples of this) the packing was measured on (tests/test_vllm_layout_amx.py)
+MEASURED = 32
 
 
 def _shape(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The cache's `(num_blocks, kv_heads, block_size, head_dim)`; refused in one line unless `block_size` and
+    `head_dim` are multiples of 32, the shapes the packing was measured on and vLLM runs "amx" with (for a head
+    size that is not, vLLM picks "vec16"; the "amx" kernel would pack it otherwise)."""
     nb, h, bs, two_d = kv_cache.shape
     d = two_d // 2
-    check(bs % TILE == 0 and d % TILE == 0,
-          f"kvtrim reads the CPU kernel '{ISA}''s packed blocks with block_size and head_dim multiples of {TILE}, "
-          f"got block_size {bs}, head_dim {d}")
+    check(bs % MEASURED == 0 and d % MEASURED == 0,
+          f"kvtrim reads the packed blocks of the CPU kernel '{ISA}' with block_size and head_dim multiples of "
+          f"{MEASURED} only, got block_size {bs}, head_dim {d}")
     return nb, h, bs, d
 
 
