@@ -20,9 +20,8 @@ from kvtrim.vllm.block_layout import BlockLayout, block_layout  # noqa: E402
 from kvtrim.vllm.block_io import fill_holes  # noqa: E402
 from kvtrim.vllm.layout_amx import (move_entries, read_keys, read_request, request_key_logits,  # noqa: E402
                                     slot_places, write_entries)
-from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 from test_vllm_layout import BS, D, H, NB, kernel_write, request_slots  # noqa: E402
-from test_vllm_layout_flash import drive, random_tokens, stored_slots  # noqa: E402
+from test_vllm_layout_flash import compacts_as_on_the_vec_cache, random_tokens  # noqa: E402
 
 HAS_AMX = torch.cpu._is_amx_tile_supported()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="vLLM's 'amx' kernel runs only on a CPU with AMX tiles "
@@ -313,32 +312,6 @@ def test_compaction_on_an_amx_cache_keeps_what_it_keeps_on_the_vec_cache(spec, w
     holds exactly those tokens' keys and values (StreamingLLM: moves and holes; KeyDiff: prompt blocks, batched;
     SnapKV: layer by layer; TOVA: decode steps from the key logits alone; H2O: prompt sums; LagKV: reads values,
     so its kept entries are written back by `write_entries`)."""
-    dtype, layers = torch.bfloat16, 3
-    method = method_for_vllm(spec)
-    prompt, new = 2 * BS + 5, 16
-    total = prompt + new
-    blocks = torch.tensor([9, 4, 11, 0, 7, 2])
-    torch.manual_seed(4)
-    originals = [tuple(t.transpose(0, 1) for t in random_tokens(total, dtype)) for _ in range(layers)]
-    queries = [(torch.randn(2 * H, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(layers)]
-    vec = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(layers)]
-    amx = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(layers)]
+    amx = [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(3)]
     write = amx_write if writer == "kernel" else reference_tokens
-    block = method.prefill_block_size()
-    want, want_gone = drive(method, cpu_vec, vec, lambda i, k, v, s: kernel_write(vec[i], k, v, s), blocks, originals,
-                            queries, prompt, block)
-    got, got_gone = drive(method, layout_amx, amx, lambda i, k, v, s: write(amx[i], k, v, s), blocks, originals,
-                          queries, prompt, block)
-    assert got_gone == want_gone > 0 and got.hole == want.hole
-    moved = False
-    for layer, (k, v) in enumerate(originals):
-        slots = stored_slots(got, layer, total)
-        assert torch.equal(slots, stored_slots(want, layer, total))
-        moved |= not torch.equal(slots, slots.sort(dim=-1).values)
-        real = slots[0] >= 0  # the same in every head
-        got_k, got_v = read_request(amx[layer], blocks, slots.shape[-1])
-        want_k, want_v = cpu_vec.read_request(vec[layer], blocks, slots.shape[-1])
-        assert torch.equal(got_k[:, real], want_k[:, real]) and torch.equal(got_v[:, real], want_v[:, real])
-        index = slots[:, real, None].expand(-1, -1, D)
-        assert torch.equal(got_k[:, real], k.gather(1, index)) and torch.equal(got_v[:, real], v.gather(1, index))
-    assert moved  # the compactions moved entries (not a run that kept everything in place)
+    compacts_as_on_the_vec_cache(spec, torch.bfloat16, layout_amx, amx, lambda i, k, v, s: write(amx[i], k, v, s))

@@ -262,20 +262,28 @@ def test_compaction_on_a_flash_cache_keeps_what_it_keeps_on_the_cpu_layout(spec,
     values (StreamingLLM: moves and holes; KeyDiff: prompt blocks, batched; SnapKV: layer by layer; TOVA: decode
     steps from the key logits alone; H2O: prompt sums). The layout functions meet every layout and dtype above:
     here NHD, HND and a block-outermost layout, to keep the run short."""
+    pool = Pool(layout, dtype)
+    compacts_as_on_the_vec_cache(spec, dtype, layout_flash, pool.views, pool.write_tokens)
+
+
+def compacts_as_on_the_vec_cache(spec: str, dtype: torch.dtype, layout, caches: list[torch.Tensor], write) -> None:
+    """Drive one request (the same keys, values and queries: seed 4) under `spec` through `layout` on `caches` (one per
+    layer, each written by `write(layer, keys, values, slots)`) and on vLLM's CPU "vec" cache written by vLLM's kernel;
+    check that every compaction discards as many entries, each layer and KV head keeps the same positions in the same
+    slots, `caches` hold exactly those tokens' keys and values, and entries moved."""
     method = method_for_vllm(spec)
     prompt, new = 2 * BS + 5, 16
     total = prompt + new
     blocks = torch.tensor([9, 4, 11, 0, 7, 2])
     torch.manual_seed(4)
-    originals = [tuple(t.transpose(0, 1) for t in random_tokens(total, dtype)) for _ in range(LAYERS)]
-    queries = [(torch.randn(2 * H, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(LAYERS)]
-    vec = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(LAYERS)]
-    pool = Pool(layout, dtype)
+    layers = len(caches)
+    originals = [tuple(t.transpose(0, 1) for t in random_tokens(total, dtype)) for _ in range(layers)]
+    queries = [(torch.randn(2 * H, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(layers)]
+    vec = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(layers)]
     block = method.prefill_block_size()
     want, want_gone = drive(method, cpu_vec, vec, lambda i, k, v, s: kernel_write(vec[i], k, v, s), blocks, originals,
                             queries, prompt, block)
-    got, got_gone = drive(method, layout_flash, pool.views, lambda i, k, v, s: pool.write_tokens(i, k, v, s), blocks,
-                          originals, queries, prompt, block)
+    got, got_gone = drive(method, layout, caches, write, blocks, originals, queries, prompt, block)
     assert got_gone == want_gone > 0 and got.hole == want.hole
     moved = False
     for layer, (k, v) in enumerate(originals):
@@ -283,7 +291,7 @@ def test_compaction_on_a_flash_cache_keeps_what_it_keeps_on_the_cpu_layout(spec,
         assert torch.equal(slots, stored_slots(want, layer, total))
         moved |= not torch.equal(slots, slots.sort(dim=-1).values)
         real = slots[0] >= 0  # the same in every head
-        got_k, got_v = read_request(pool.views[layer], blocks, slots.shape[-1])
+        got_k, got_v = layout.read_request(caches[layer], blocks, slots.shape[-1])
         want_k, want_v = cpu_vec.read_request(vec[layer], blocks, slots.shape[-1])
         assert torch.equal(got_k[:, real], want_k[:, real]) and torch.equal(got_v[:, real], want_v[:, real])
         index = slots[:, real, None].expand(-1, -1, D)
