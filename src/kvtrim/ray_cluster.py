@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from kvtrim.methods.base import KvtrimError, check
+from kvtrim.methods.base import KvtrimError, check, one_line
 
 MAX_ATTEMPTS = 3  # workers a unit may lose before the run stops
 RAY_FLAGS = ("ray_workers", "ray_cpus_per_worker", "ray_gpus_per_worker")
@@ -178,7 +178,7 @@ def run_units(ray, new_worker: Callable[[int], Any], call: Callable[[Any, Any], 
                 attempts[key] = attempts.get(key, 0) + 1
                 check(attempts[key] < MAX_ATTEMPTS,
                       f"{describe(unit)}: its Ray worker died {attempts[key]} times, the last time: "
-                      f"{str(err).splitlines()[0] if str(err) else type(err).__name__}")
+                      f"{one_line(err)}")
                 stats.retried_units += 1
                 queue.appendleft(unit)
                 ray.kill(worker, no_restart=True)

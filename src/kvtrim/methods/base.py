@@ -65,6 +65,12 @@ def check(condition: bool, message: str) -> None:
         raise KvtrimError(message)
 
 
+def one_line(err: BaseException) -> str:
+    """An exception as the one line a user or a log gets: its message's first line, else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 # ---- sizes: one rule each --------------------------------------------------------------------------
 def kept_count(n: int, compression_ratio: float) -> int:
     """Entries kept of `n` at `compression_ratio` (fraction removed): `max(1, int(n * (1 - r)))`.

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtrim.methods.base import EvictionMethod
+from kvtrim.methods.base import EvictionMethod, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, plan_forward, prompt_block, prompt_peak,
                                   slots_held)
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -46,12 +46,6 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # no
 
 #: blocks asked for a request that must not be admitted (failed, or never fits): more than any pool holds
 _NEVER = 1 << 40
-
-
-def one_line(err: BaseException) -> str:
-    """An exception as the one line a client and the log get."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass

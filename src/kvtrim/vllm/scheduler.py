@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from kvtrim.methods.base import KvtrimError
+from kvtrim.methods.base import KvtrimError, one_line
 from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
@@ -41,7 +41,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvtrim.vllm import kv_spec  # noqa: E402,F401  (registers TrimAttentionSpec's manager in this process)
-from kvtrim.vllm.manager import TrimAttentionManager, one_line  # noqa: E402
+from kvtrim.vllm.manager import TrimAttentionManager  # noqa: E402
 
 
 logger = init_logger("vllm.kvtrim")

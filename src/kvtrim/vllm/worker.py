@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase
+from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
 from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.block_io import add_prompt_sums
 from kvtrim.vllm.compact import compact
@@ -355,7 +355,7 @@ class TrimModelRunner(CPUModelRunner):
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
         except Exception as err:  # noqa: BLE001 - one request's failure must not stop the engine
-            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            why = one_line(err)
             logger.error("kvtrim: request %s fails: %s", req_id, why)
             self._kvtrim_failed[req_id] = why  # the scheduler ends it; its blocks go back with it
             # until it ends, its slots follow the scheduler's count (its entries no longer matter)
