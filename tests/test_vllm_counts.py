@@ -245,7 +245,7 @@ def test_snapkv_budget_counts_are_the_real_methods(spec, prompt, total, chunk):
                                   "lazyeviction:budget=200:window=16"])
 @pytest.mark.parametrize("prompt,total,chunk", [(100, 160, 1000), (100, 160, 32), (30, 80, 7), (3, 20, 8)])
 def test_decode_attention_counts_are_the_real_methods(spec, prompt, total, chunk):
-    """TOVA and H2O run on stand-in keys, queries and decode probabilities (one KV head, head_dim 8): forward by
+    """TOVA and H2O counted by their schedule, LazyEviction by its decode steps: forward by
     forward, the same due forwards and counts as the method on keys, queries and probabilities of a model's
     shape (3 KV heads, 9 query heads, head_dim 16) fed as transformers feeds it (the prompt in one forward,
     then one token a step with the probabilities kvtrim's attention hands over), however vLLM chunks the
@@ -264,8 +264,8 @@ def test_decode_attention_counts_are_the_real_methods(spec, prompt, total, chunk
         return layer
 
     counts, cache = StoredCounts(method), TrimCache(method)
-    lazy = spec.startswith("lazyeviction")  # counted on stand-ins (its own rule); TOVA, H2O by their schedule
-    assert counts.by_count != lazy and not counts.by_length  # its prompt and appends restart its tracking: no change there
+    lazy = spec.startswith("lazyeviction")  # counted by its decode steps (`kept_after_decode`); TOVA, H2O by their schedule
+    assert (counts.by_decode if lazy else counts.by_count) and not counts.by_length  # its prompt and appends restart its tracking: no change there
     stateful = method.new_state(0) is not None
     evictions = 0
     for start, end in forwards(prompt, total, chunk):

@@ -441,7 +441,8 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     from one compaction to the next). The blocks end up holding, per layer and KV
     head, what `TrimCache` keeps when kvtrim's attention hands it the same queries and the probabilities that
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
-    tokens after its prompt in the prompt's forward (an append)."""
+    tokens after its prompt in the prompt's forward (an append). The decode steps run on one decision layer
+    kept between them (`LiveDecode`), not on one resumed at each step."""
     from kvtrim.attention import attend_with_probabilities
     from kvtrim.vllm.block_io import add_prompt_sums
     from kvtrim.vllm.spec import prompt_queries, prompt_sums
@@ -455,7 +456,7 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
                  for _ in range(n_layers)]
     queries = [(torch.randn(q_heads, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(n_layers)]
     caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
-    counts, entries, gone, due_decodes = StoredCounts(method), RequestEntries(), 0, 0
+    counts, entries, gone, due_decodes, live_layers = StoredCounts(method), RequestEntries(), 0, 0, set()
     first = prompt + tail
     for start, end in [(0, first)] + [(t, t + 1) for t in range(first, total)]:
         hole = entries.fill_hole(start) if end > first else None
@@ -476,6 +477,9 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
                            [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, sums)
             assert gone == counts.discarded
             due_decodes += end > first
+            if end > first:  # one decision layer, resumed at the first decode step, takes every later one
+                live_layers.add(id(entries.live.cache))
+    assert len(live_layers) == 1
     reference = []
     for idx, ((k, v), q) in enumerate(zip(originals, queries)):
         cache = TrimCache(method)

@@ -302,6 +302,10 @@ class EvictionMethod:
     #: False when the method may keep a different number of entries per KV head (AdaKV's head-wise budgets,
     #: stored ragged): kvtrim's vLLM engine refuses it (one block table per request, shared by every head)
     same_count_per_head: ClassVar[bool] = True
+    #: True when how many entries the method keeps follows from its decode steps alone (`kept_after_decode`): its
+    #: prompt blocks and appends evict nothing, and a decode step's count depends on the entries stored and the
+    #: decode steps since the last prompt block or append (LazyEviction): a planner counts it without keys
+    counts_by_decode_steps: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -382,6 +386,12 @@ class EvictionMethod:
         (however the tokens were split into forwards, the prompt's included) and the method's state changes
         only where its count drops; None when it does not (kvtrim's vLLM scheduler then counts by the
         method's `target`, or runs it on stand-in keys)."""
+        return None
+
+    def kept_after_decode(self, stored: int, decode_steps: int) -> int | None:
+        """Methods with `counts_by_decode_steps`: the entries one layer keeps after its `decode_steps`-th decode step
+        since its last prompt block or append, holding `stored` entries with the step's own (None: it keeps them
+        all). The one rule: the method's own hooks decide when to evict by it."""
         return None
 
     def layers_alike(self) -> bool:

@@ -130,6 +130,7 @@ class LazyEviction(EvictionMethod):
     attention_only_decode = True
     reads_values = False
     size_params = ("budget",)
+    counts_by_decode_steps = True
 
     budget: int | None = None
     window: int = 128
@@ -160,6 +161,10 @@ class LazyEviction(EvictionMethod):
             return total_tokens
         return max(prompt_tokens + first, self.budget + min(self.window, steps - first))
 
+    def kept_after_decode(self, stored, decode_steps):
+        # every `window` decode steps, back to the budget when over it
+        return self.budget if stored > self.budget and decode_steps % self.window == 0 else None
+
     def on_attention(self, view):
         state: _LazyState = view.state
         if view.phase is not Phase.DECODE:  # a prompt block or an append: restart tracking, no eviction
@@ -180,7 +185,7 @@ class LazyEviction(EvictionMethod):
             state.ts = torch.cat([state.ts, torch.full(shape, t - 1, dtype=torch.int32, device=active.device)], -1)
             state.mri = torch.cat([state.mri, torch.zeros(shape, dtype=torch.int32, device=active.device)], -1)
         state.ts, state.mri = track(state.ts, state.mri, active, t)
-        if n <= self.budget or t % self.window != 0:
+        if self.kept_after_decode(n, t) is None:
             return None
         scores = mri_scores(state.ts, state.mri, t)
         if scores.shape[1] != hkv:  # per_query_head: the group's best official score

@@ -13,6 +13,7 @@ per layer and the method's per-layer state, as of its last compaction).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm import layout as cpu_vec
 from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, read_stored, store_moves
 from kvtrim.vllm.block_layout import BlockLayout
-from kvtrim.vllm.decide import decide
+from kvtrim.vllm.decide import decide, hand_over, kept_slots
 from kvtrim.vllm.entries import RequestEntries, per_tensor
 from kvtrim.vllm.layout import slot_places
 from kvtrim.vllm.planning import Step, leaves_hole
@@ -54,7 +55,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     (the block's last `W` post-RoPE queries, what the worker's attention tap captured) and the layers' softmax `scales` (`decide`). A method that needs the attention of its decode
     steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
     head_dim)`: the queries of its tokens after the prompt, from which `decide` computes a decode step's
-    probabilities. H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
+    probabilities. Such a method's decode steps (`attention_only_decode`) run on the request's decision layer,
+    kept from one step to the next in `entries.live` (`LiveDecode`: its positions and the method's state live
+    across steps; it is resumed from the positions only after any other compaction), with keys alone read. H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
     of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
 
     `layout`: how the caches store their blocks (`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
@@ -63,34 +66,39 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     stored = entries.m + end - entries.seen
     old = stored - (end - told)  # entries stored before this forward's tokens
     h, n_layers = kv_caches[0].shape[1], len(kv_caches)
-    slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
     states = entries.states or [None] * n_layers
     forward = old, told, steps, prompt_tokens  # what `decide` needs of the forward besides the entries
     hole = live = None
-    previous_live, entries.live = entries.live, None  # kept only by a decode step that leaves a hole again
-    if not method.waits_for_attention and method.positions_only and all(
+    previous_live, entries.live = entries.live, None  # kept by a decode step that leaves a hole, or that reads attention
+    decode_step = (method.attention_only_decode and last is not None and scales is not None and len(set(scales)) == 1
+                   and len(steps) == 1 and steps[0].phase is Phase.DECODE and _groups_share_states(states, n_layers))
+    slot_positions = None  # (the live layer of an attention-fed decode step holds them)
+    if not (decode_step and isinstance(previous_live, LiveDecode) and previous_live.follows(told, old, states[0])):
+        slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
+    if slot_positions is not None and not method.waits_for_attention and method.positions_only and all(
             p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
         n_keep, positions, state, hole, live = _compact_positions_only(method, kv_caches, block_ids, slot_positions[0],
                                                                        states[0], forward, previous_live, layout)
         # one positions tensor for every layer: the next compaction finds them shared at once
         new_positions, new_states, kept_counts = [positions] * n_layers, [state] * n_layers, {n_keep}
+    elif decode_step:
+        # a decode step of a method that reads only its probabilities there: the request's decision layer, kept
+        # from its last decode step (or resumed from its positions), takes the step; keys alone are read
+        if slot_positions is not None:
+            previous_live = LiveDecode.resumed(method, torch.stack(slot_positions)[:, :, :old], states[0], told,
+                                               prompt_tokens)
+        n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout)
+        new_positions, kept_counts = list(live.slot_positions.unbind(0)), {n_keep}
+        new_states = [live.layer.state] * n_layers
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
             scales is None or len(set(scales)) == 1):
         new_positions, new_states, kept_counts = [], [], set()
-        # a decode step of a method that reads only its probabilities there: keys alone, stand-ins for the method
-        lean = (method.attention_only_decode and last is not None and scales is not None and len(steps) == 1
-                and steps[0].phase is Phase.DECODE)
         for first in range(0, n_layers, size):  # groups of layers: small temporaries, reused memory
             group = slice(first, first + size)
-            if lean:
-                n_keep, positions, state = _compact_decode_step(method, kv_caches[group], block_ids,
-                                                                slot_positions[group], states[first], forward,
-                                                                last[group], scales[first], layout)
-            else:
-                n_keep, positions, state = _compact_as_one_batch(
-                    method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
-                    None if queries is None else queries[group], None if scales is None else scales[first],
-                    None if last is None else last[group], None if sums is None else sums[group], layout)
+            n_keep, positions, state = _compact_as_one_batch(
+                method, kv_caches[group], block_ids, slot_positions[group], states[first], forward,
+                None if queries is None else queries[group], None if scales is None else scales[first],
+                None if last is None else last[group], None if sums is None else sums[group], layout)
             new_positions += positions
             new_states += [state] * len(positions)  # the group's state (batch row i: its layer i), shared
             kept_counts.add(n_keep)
@@ -215,31 +223,70 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
 
 
 
-def _compact_decode_step(method: EvictionMethod, kv_caches, block_ids, slot_positions: list[torch.Tensor], state: Any,
-                         forward: tuple, last: list[torch.Tensor], scale: float, layout: BlockLayout = cpu_vec):
-    """`compact` for one decode step of a method that reads only the step's attention probabilities there
-    (`attention_only_decode`: TOVA, H2O, LazyEviction) on a group of layers, as one batch: only the keys are read
+@dataclass
+class LiveDecode:
+    """A request's decision layer between the decode steps of a method that reads only its probabilities there
+    (`attention_only_decode`: TOVA, H2O, LazyEviction): one `TrimLayer` whose batch rows are the request's layers,
+    on stand-in keys in position order, with the method's state; it takes each decode step as transformers feeds
+    it one (`_live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
+    positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`."""
+
+    cache: TrimCache
+    slot_positions: torch.Tensor
+    by_position: torch.Tensor
+
+    @property
+    def layer(self) -> TrimLayer:
+        return self.cache.layers[0]
+
+    def follows(self, told: int, stored: int, state: Any) -> bool:
+        """True when the layer is where the request is: it has seen the `told` tokens before the step, holds the
+        `stored` entries and the method's `state` (nothing else compacted the request since)."""
+        layer = self.layer
+        return layer.seen == told and self.slot_positions.shape[-1] == stored and layer.state is state
+
+    @classmethod
+    def resumed(cls, method: EvictionMethod, slot_positions: torch.Tensor, state: Any, told: int,
+                prompt_tokens: int) -> LiveDecode:
+        """The layer resumed from the request's slot positions `(layers, h, stored)` and state after `told` tokens."""
+        by_position = slot_positions.argsort(dim=-1)
+        cache = TrimCache(method, in_place_decode=False)
+        layer = TrimLayer(method, 0, owner=cache, in_place_decode=False)
+        cache.layers.append(layer)
+        stand_in = torch.zeros(1, 1, 1, 1).expand(*slot_positions.shape, 1)
+        layer.resume(stand_in, stand_in, slot_positions.gather(-1, by_position), told,
+                     prompt_tokens if told >= prompt_tokens else None, layer.state if state is None else state)
+        return cls(cache, slot_positions, by_position)
+
+
+def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
+                      layout: BlockLayout = cpu_vec) -> tuple[int, LiveDecode]:
+    """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
     (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
-    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in
-    position order with stand-in keys and values (`decide`); only the entries that move are copied, in the
-    pool (`move_entries`). Returns what `_compact_as_one_batch` returns."""
-    h, stored = slot_positions[0].shape
+    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in position
+    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). Returns the kept
+    count and the live layer after the step."""
+    n_layers, h, old = live.slot_positions.shape
+    told = live.layer.seen
+    slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
+    by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
     query = torch.stack(last).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
-    positions = torch.stack(slot_positions)  # (layers, h, stored)
-    by_position = positions.argsort(dim=-1)
     # each query head reads its KV head's entries: in position order, that head's own order
     order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
-    logits = layout.request_key_logits(kv_caches, block_ids, stored, query)
+    logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
     probs = softmax_probabilities(logits.gather(-1, order), None, scale)
-    cache = TrimCache(method, in_place_decode=False)
-    layer, kept, n_keep = decide(cache, 0, None, None, positions, *forward, state, None, scale, query, probs,
-                                 by_position)
-    if n_keep == stored:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
-        return n_keep, list(positions.unbind(0)), layer.state
+    stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
+    with live.cache.phase(Phase.DECODE):
+        full = live.cache.update(stand_in, stand_in, 0)
+    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, probs)
+    if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
+        return old + 1, LiveDecode(live.cache, slot_positions, by_position)
+    kept, n_keep = kept_slots(live.layer, slot_positions.gather(-1, by_position), by_position)
     moves, order = fill_layers_holes(kept, n_keep)
     for idx, heads, from_slots, to_slots in moves:  # nothing read but keys: copied inside the pool
         store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots)
-    return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
+    slot_positions = slot_positions.gather(-1, order)
+    return n_keep, LiveDecode(live.cache, slot_positions, slot_positions.argsort(dim=-1))
 
 
 def _layer_group(method: EvictionMethod, n_layers: int) -> int:

@@ -71,11 +71,19 @@ def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
+    kept, n_keep = kept_slots(layer, sorted_positions, by_position)
+    return layer, kept, n_keep
+
+
+def kept_slots(layer: TrimLayer, sorted_positions: torch.Tensor, by_position: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What `layer` (in position order) kept of the entries it held before its eviction, at `sorted_positions`
+    `(b, h, stored)` (ascending) in slots `by_position`: a slot mask `(b, h, stored)` and the kept count."""
+    b, h, stored = sorted_positions.shape
     pos = layer.positions  # (b, h, n_keep), ascending
     if pos.shape[-1] == stored:  # nothing evicted
-        return layer, torch.ones(b, h, stored, dtype=torch.bool), stored
-    kept_slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
-    return layer, torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, kept_slots, True), pos.shape[-1]
+        return torch.ones(b, h, stored, dtype=torch.bool), stored
+    slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
+    return torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, slots, True), pos.shape[-1]
 
 
 def hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor, torch.Tensor],

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from kvtrim.cache import TrimCache
 from kvtrim.methods.base import check
 
 
@@ -26,10 +25,11 @@ class RequestEntries:
     #: a slot below `m` whose entry the last compaction evicted without moving another into it (the same in
     #: every layer and KV head): the next token is written there (`fill_hole`), not after the stored entries
     hole: int | None = None
-    #: a positions-only method's decision layer after a decode step that left a hole (`TrimCache` of one layer
-    #: on stand-in keys in slot order, its free slot the hole: `kvtrim.vllm.compact`): the next decode step runs on it
-    #: in place instead of on a layer resumed from the positions; any other compaction drops it
-    live: TrimCache | None = None
+    #: the request's decision layer kept between decode steps (`kvtrim.vllm.compact`): a positions-only method's
+    #: after a step that left a hole (`TrimCache` of one layer on stand-in keys in slot order, its free slot the
+    #: hole), or an attention-fed method's (`LiveDecode`); the next decode step runs on it instead of on a layer
+    #: resumed from the positions; any other compaction drops it
+    live: Any = None
 
     @property
     def m(self) -> int:

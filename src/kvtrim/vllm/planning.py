@@ -13,8 +13,8 @@ then evict: vLLM attended to everything before the compaction runs.
 
 `StoredCounts` (the scheduler: the one authority for counts) follows a request through its forwards: the
 method's own `target` on the counts when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm, and
-SnapKV, TOVA, H2O, whose attention picks only which entries: no tensors, 7-21 µs a step), else the method
-run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores after each
+SnapKV, TOVA, H2O, whose attention picks only which entries: no tensors, 7-21 µs a step; LazyEviction by
+its decode steps, `kept_after_decode`), else the method run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores after each
 forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on
 token counts only (`kvtrim.vllm.spec`), so the scheduler's manager (`kvtrim.vllm.manager.TrimAttentionManager`)
 frees blocks by these counts and tells the worker, with each step's `SchedulerOutput` (`PLAN_ATTR`), which
@@ -151,7 +151,8 @@ class StoredCounts:
     A method whose counts follow its schedule (`ScoringMethod.counts_by_schedule`: KeyDiff, StreamingLLM,
     KNorm; or `counts_ignore_attention`: SnapKV, TOVA, H2O, whose attention picks which entries, never how
     many) is counted without keys (its `target` on the counts), one whose count is a function of the tokens
-    seen (`stored_after`: LagKV's reference mode) by it; any other runs on the stand-in keys (LazyEviction, a
+    seen (`stored_after`: LagKV's reference mode) by it, one whose count follows its decode steps
+    (`counts_by_decode_steps`: LazyEviction) by `kept_after_decode`; any other runs on the stand-in keys (a
     method with `skip_layers`; one fed attention gets stand-in queries and probabilities, as the worker hands
     it the real ones)."""
 
@@ -164,7 +165,9 @@ class StoredCounts:
         self.stateful = self.by_count and method.new_state(0) is not None
         #: counted by `stored_after` (LagKV's reference mode): the count is a function of the tokens seen
         self.by_length = not self.by_count and method.stored_after(0) is not None
-        self.seen = self.stored = 0
+        #: counted by `kept_after_decode` (LazyEviction): its decode steps since the last prompt block or append
+        self.by_decode = not (self.by_count or self.by_length) and method.counts_by_decode_steps
+        self.seen = self.stored = self.decode_steps = 0
         self.prompt_tokens: int | None = None
         self.cache = TrimCache(method, in_place_decode=False)
         self._gen = torch.Generator().manual_seed(0)
@@ -176,7 +179,7 @@ class StoredCounts:
     @property
     def discarded(self) -> int:
         """Entries discarded so far (tokens seen minus entries stored)."""
-        if self.by_count or self.by_length:
+        if self.by_count or self.by_length or self.by_decode:
             return self.seen - self.stored
         layer = self._layer
         return 0 if layer is None else layer.seen - layer.stored
@@ -184,7 +187,7 @@ class StoredCounts:
     @property
     def held(self) -> int:
         """Entries stored now (of the tokens told so far)."""
-        if self.by_count or self.by_length:
+        if self.by_count or self.by_length or self.by_decode:
             return self.stored
         layer = self._layer
         return 0 if layer is None else layer.stored
@@ -194,6 +197,8 @@ class StoredCounts:
         method's state): the worker must run the method on it."""
         if self.by_length:
             return self._by_length(steps)
+        if self.by_decode:
+            return self._by_decode(steps)
         return self._count(steps) if self.by_count else self._stand_in(steps)
 
     def _by_length(self, steps: list[Step]) -> bool:
@@ -201,6 +206,22 @@ class StoredCounts:
         self.seen += tokens
         stored, self.stored = self.stored + tokens, self.method.stored_after(self.seen)
         return self.stored < stored
+
+    def _by_decode(self, steps: list[Step]) -> bool:
+        due = False
+        for step in steps:
+            self.seen += step.tokens
+            self.stored += step.tokens
+            if step.phase is not Phase.DECODE:  # a prompt block or an append: evicts nothing, restarts the count
+                due = due or self.decode_steps > 0  # (and the method's tracking: a state to drop, if it tracked)
+                self.decode_steps = 0
+                continue
+            self.decode_steps += 1
+            due = True  # its state follows every decode step
+            n_keep = self.method.kept_after_decode(self.stored, self.decode_steps)
+            if n_keep is not None and self.stored > n_keep:
+                self.stored = n_keep
+        return due
 
     def _count(self, steps: list[Step]) -> bool:
         due = self.stateful and bool(steps)
