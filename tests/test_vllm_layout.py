@@ -89,6 +89,26 @@ def test_the_vec16_kernel_stores_as_vec(head_dim, vec16_dtype):
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
 
 
+@pytest.mark.parametrize("name", ["vec", "amx", "flash"])
+def test_table_key_logits_are_each_requests_own(name):
+    """The attention backend's product for a batch of requests of one layer (`table_key_logits`: their blocks in
+    one table, a short request's row padded) is, request by request, the compaction's product over its own blocks
+    (`request_key_logits`), slot for slot, on every layout."""
+    from kvtrim.vllm import layout, layout_amx, layout_flash
+
+    module = {"vec": layout, "amx": layout_amx, "flash": layout_flash}[name]
+    torch.manual_seed(3)
+    cache = torch.randn(NB, H, BS, 2 * D).bfloat16()
+    table = torch.tensor([[4, 9, 2], [7, 1, 7], [11, 0, 5]])  # the second: two blocks, padded with its first
+    lengths = [3 * BS - 5, 2 * BS, 2 * BS + 1]
+    query = torch.randn(3, 3 * H, D).bfloat16()
+    logits = module.table_key_logits(cache, table, query)
+    assert logits.shape == (3, 3 * H, 3 * BS)
+    for r, n in enumerate(lengths):
+        own = module.request_key_logits([cache], table[r, :-(-n // BS)], n, query[r][None, :, None])
+        torch.testing.assert_close(logits[r, :, :n], own[0, :, 0], rtol=0, atol=0)
+
+
 def test_write_entries_is_a_read_modify_write(dtype):
     torch.manual_seed(5)
     blocks = torch.tensor([4, 10, 2])

@@ -22,7 +22,9 @@ applies the rotary embedding before `self.attn`), rows in the order of the runne
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +72,22 @@ class QueryTap:
     last_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: req_id -> per layer index, those rows' queries `(q_heads, rows, head_dim)` (taken by the compaction)
     last: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    #: this step's decode steps whose attention logits the backend computes right after each layer's attention
+    #: (methods that read only their probabilities there: TOVA, H2O, LazyEviction), req_id -> `(query row, block
+    #: ids, entries stored)`; `seal_logits` turns it into `logit_batch`
+    logit_plan: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
+    #: the sealed plan, `(query rows (R,), block table (R, U))`, or None: nothing to compute in this forward
+    logit_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: the last sealed plan's requests, req_id -> (batch row, entries stored), and their logits `(layers, R,
+    #: q_heads, U * block_size)` in the cache's dtype, slot order, filled layer by layer (`step_logits`)
+    logit_index: dict[str, tuple[int, int]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    #: the KV block layout the logits are read with (`kvtrim.vllm.block_layout`; set by the worker)
+    layout: Any = None
+    #: seconds spent on the logits since the worker last took them (`take_seconds`: eviction time)
+    seconds: float = 0.0
+    #: decode steps whose logits were taken so far (for logs and tests)
+    logits_taken: int = 0
 
     @property
     def active(self) -> bool:
@@ -77,8 +95,54 @@ class QueryTap:
         return bool(self.rows) or bool(self.last_rows)
 
     def clear_plan(self) -> None:
-        """Plan nothing for the next forward (a dummy run copies nothing)."""
-        self.rows, self.last_rows = {}, {}
+        """Plan nothing for the next forward (a dummy run copies nothing; the logits computed stay to be taken)."""
+        self.rows, self.last_rows, self.logit_plan, self.logit_batch = {}, {}, {}, None
+
+    def plan_logits(self, req_id: str, row: int, block_ids: list[int], stored: int) -> None:
+        """This step's query row `row` is request `req_id`'s decode step, whose logits over its `stored` entries (in
+        its blocks `block_ids`, slot order) the backend computes after each layer's attention."""
+        self.logit_plan[req_id] = (row, block_ids, stored)
+
+    def seal_logits(self, block_size: int) -> None:
+        """Turn this step's `logit_plan` into one batch (`logit_batch`): each request's blocks as a row of one table,
+        a shorter row padded with its first block (`table_key_logits`), before the forward."""
+        self.logits, self.logit_index = None, {}
+        if not self.logit_plan:
+            self.logit_batch = None
+            return
+        used = {req_id: -(-stored // block_size) for req_id, (_, _, stored) in self.logit_plan.items()}
+        width = max(used.values())
+        rows, table, index = [], [], {}
+        for r, (req_id, (row, block_ids, stored)) in enumerate(self.logit_plan.items()):
+            ids = block_ids[:used[req_id]]
+            rows.append(row)
+            table.append(ids + ids[:1] * (width - len(ids)))
+            index[req_id] = (r, stored)
+        self.logit_batch, self.logit_index = (torch.tensor(rows), torch.tensor(table)), index
+
+    def step_logits(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Compute layer `layer_name`'s logits of this step's planned decode steps from its `query` `(num_tokens,
+        q_heads, head_dim)` and its cache, right after its attention (the step's keys were written before it)."""
+        start = time.perf_counter()
+        rows, table = self.logit_batch
+        logits = self.layout.table_key_logits(kv_cache, table, query.index_select(0, rows).to(kv_cache.dtype))
+        if self.logits is None:
+            self.logits = logits.new_empty((len(self.layers), *logits.shape))
+        self.logits[self.layers[layer_name]] = logits
+        self.seconds += time.perf_counter() - start
+
+    def take_logits(self, req_id: str) -> torch.Tensor | None:
+        """Request `req_id`'s decode step logits of this step, per layer `(layers, q_heads, 1, stored)` in slot
+        order (unscaled, the cache's dtype), or None when none were computed."""
+        if self.logits is None or req_id not in self.logit_index:
+            return None
+        r, stored = self.logit_index.pop(req_id)
+        self.logits_taken += 1
+        return self.logits[:, r, :, None, :stored]
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def plan_last(self, req_id: str, start: int, end: int) -> None:
         """This step's query rows `[start, end)` are request `req_id`'s tokens after its prompt (a decode step's
@@ -126,13 +190,17 @@ class QueryTap:
 
 
 class TrimCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention impl; before its forward, the rows the layer's `QueryTap` lists are copied."""
+    """vLLM's CPU attention impl; before its forward, the rows the layer's `QueryTap` lists are copied; after it,
+    the logits of the step's planned decode steps are computed (`QueryTap.step_logits`)."""
 
-    def forward(self, layer, query, *args, **kwargs):
+    def forward(self, layer, query, key, value, kv_cache, *args, **kwargs):
         tap = getattr(layer, TAP_ATTR, None)
         if tap is not None and tap.active:
             tap.capture(layer.layer_name, query)
-        return super().forward(layer, query, *args, **kwargs)
+        out = super().forward(layer, query, key, value, kv_cache, *args, **kwargs)
+        if tap is not None and tap.logit_batch is not None:  # while the layer's keys are fresh in the CPU's caches
+            tap.step_logits(layer.layer_name, query, kv_cache)
+        return out
 
 
 class TrimCPUAttentionBackend(CPUAttentionBackend):

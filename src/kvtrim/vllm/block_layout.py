@@ -45,6 +45,9 @@ class BlockLayout(Protocol):
     def request_key_logits(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n: int,
                            query: torch.Tensor) -> torch.Tensor: ...
 
+    def table_key_logits(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         query: torch.Tensor) -> torch.Tensor: ...
+
     def write_entries(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor,
                       slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 

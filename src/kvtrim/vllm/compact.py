@@ -34,7 +34,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
             queries: list[torch.Tensor] | None = None, scales: list[float] | None = None,
             last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None,
-            layout: BlockLayout = cpu_vec) -> int:
+            layout: BlockLayout = cpu_vec, step_logits: torch.Tensor | None = None) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -87,7 +87,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         if slot_positions is not None:
             previous_live = LiveDecode.resumed(method, torch.stack(slot_positions)[:, :, :old], states[0], told,
                                                prompt_tokens)
-        n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout)
+        n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
         new_positions, kept_counts = list(live.slot_positions.unbind(0)), {n_keep}
         new_states = [live.layer.state] * n_layers
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
@@ -260,12 +260,13 @@ class LiveDecode:
 
 
 def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
-                      layout: BlockLayout = cpu_vec) -> tuple[int, LiveDecode]:
+                      layout: BlockLayout = cpu_vec, logits: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
     """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
     (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
     head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in position
-    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). Returns the kept
-    count and the live layer after the step."""
+    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). `logits`: the step's
+    `(layers, q_heads, 1, stored)` in slot order when kvtrim's attention backend computed them already (then no
+    key is read here). Returns the kept count and the live layer after the step."""
     n_layers, h, old = live.slot_positions.shape
     told = live.layer.seen
     slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
@@ -273,7 +274,9 @@ def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.T
     query = torch.stack(last).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
     # each query head reads its KV head's entries: in position order, that head's own order
     order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
-    logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
+    if logits is None:
+        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
+    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
     probs = softmax_probabilities(logits.gather(-1, order), None, scale)
     stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
     with live.cache.phase(Phase.DECODE):

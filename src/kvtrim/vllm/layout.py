@@ -80,6 +80,27 @@ def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n
     return logits.permute(0, 2, 3, 1, 4).reshape(layers, h * group, 1, used * bs)[..., :n]
 
 
+def table_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`QK^T` (unscaled, the cache's dtype) of one query per request over every slot of its blocks, for a batch of
+    requests of one layer (kvtrim's attention backend, right after the layer's attention: one read of the key
+    halves of all their blocks, one product).
+
+    Args:
+        block_table: `(requests, blocks)` int64, each request's first blocks (a short request's row padded with
+            any block: its slots past its entries are the caller's to ignore).
+        query: `(requests, q_heads, head_dim)`, query head `i` reading KV head `i // (q_heads // kv_heads)`.
+    Returns:
+        `(requests, q_heads, blocks * block_size)`, slot order.
+    """
+    nb, h, bs, two_d = kv_cache.shape
+    d, (r, used) = two_d // 2, block_table.shape
+    keys = _halves(kv_cache)[0].index_select(0, block_table.flatten())  # (r * used, h, d, bs): channel-major
+    group = query.shape[1] // h
+    q = query.reshape(r, 1, h, group, d).expand(r, used, h, group, d).reshape(-1, group, d)
+    logits = torch.bmm(q, keys.view(-1, d, bs)).view(r, used, h, group, bs)
+    return logits.permute(0, 2, 3, 1, 4).reshape(r, h * group, used * bs)
+
+
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store single entries: `keys[i]`, `values[i]` `(m, head_dim)` as KV head `heads[i]`'s entry at the request's

@@ -26,7 +26,8 @@ import torch
 from kvtrim.methods.base import check
 from kvtrim.vllm.layout import slot_places
 
-__all__ = ["ISA", "move_entries", "read_keys", "read_request", "request_key_logits", "slot_places", "write_entries"]
+__all__ = ["ISA", "move_entries", "read_keys", "read_request", "request_key_logits", "slot_places", "table_key_logits",
+           "write_entries"]
 
 ISA = "amx"
 #: tokens (keys) and channels (values) per tile row group; elements per pair
@@ -127,6 +128,25 @@ def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n
     group = query.shape[1] // h
     logits = torch.matmul(query.view(layers, h, group, d), keys.transpose(-1, -2))  # (layers, h, group, slots)
     return logits.view(layers, h * group, 1, used * bs)[..., :n]
+
+
+def table_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`kvtrim.vllm.layout.table_key_logits` on this layout: the key halves of every request's blocks gathered,
+    laid out token-major (channel pairs as words), one matmul.
+
+    Returns:
+        `(requests, q_heads, blocks * block_size)`, slot order.
+    """
+    nb, h, bs, d = _shape(kv_cache)
+    r, used = block_table.shape
+    half = _halves(kv_cache)[0]
+    _, _, tiles, pairs, tile, unit = half.shape
+    scratch = half.index_select(0, block_table.flatten()).view(r, used, h, tiles, pairs, tile, unit)
+    words = scratch.permute(0, 2, 1, 3, 5, 4, 6).contiguous()  # (r, h, used, tiles, tile, pairs, unit)
+    keys = words.view(r, h, used * bs, pairs * unit).view(kv_cache.dtype)
+    group = query.shape[1] // h
+    logits = torch.matmul(query.reshape(r, h, group, d), keys.transpose(-1, -2))  # (r, h, group, slots)
+    return logits.view(r, h * group, used * bs)
 
 
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,

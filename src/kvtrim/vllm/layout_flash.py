@@ -18,7 +18,8 @@ import torch
 from kvtrim.methods.base import check
 from kvtrim.vllm.layout import slot_places
 
-__all__ = ["check_views", "move_entries", "read_keys", "read_request", "request_key_logits", "slot_places", "write_entries"]
+__all__ = ["check_views", "move_entries", "read_keys", "read_request", "request_key_logits", "slot_places",
+           "table_key_logits", "write_entries"]
 
 #: cache dtypes stored as plain values (a quantised cache needs its scales: refused)
 PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,6 +83,23 @@ def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n
     q = query.to(keys.device).view(layers, h, group, d)
     logits = torch.matmul(q, keys.view(layers, h, used * bs, d).transpose(-1, -2))  # (layers, h, group, slots)
     return logits.view(layers, h * group, 1, used * bs)[..., :n]
+
+
+def table_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`kvtrim.vllm.layout.table_key_logits` on this layout (keys gathered straight into `(head, request, slot,
+    d)`, one matmul).
+
+    Returns:
+        `(requests, q_heads, blocks * block_size)`, slot order.
+    """
+    nb, h, bs, two_d = kv_cache.shape
+    d, (r, used) = two_d // 2, block_table.shape
+    (ids,) = _on(kv_cache, block_table.flatten())
+    keys = kv_cache[..., :d].transpose(0, 1).index_select(1, ids).view(h, r, used * bs, d)
+    group = query.shape[1] // h
+    q = query.to(keys.device).reshape(r, h, group, d)
+    logits = torch.matmul(q, keys.permute(1, 0, 3, 2))  # (r, h, group, slots)
+    return logits.reshape(r, h * group, used * bs)
 
 
 def write_entries(kv_cache: torch.Tensor, block_ids: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor,

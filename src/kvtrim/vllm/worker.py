@@ -183,6 +183,7 @@ class TrimModelRunner(CPUModelRunner):
         # the one layout this worker's compaction reads and writes (refused in one line unless it is known)
         self._kvtrim_layout = block_layout(CPU_BACKEND, isa=_get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                                                                           self.cache_config.cache_dtype))
+        self.kvtrim_tap.layout = self._kvtrim_layout
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         batch = self.input_batch
@@ -213,11 +214,16 @@ class TrimModelRunner(CPUModelRunner):
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
                     self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
+                    if req.method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
+                        # its step's logits, computed by the attention backend for all such requests at once
+                        self.kvtrim_tap.plan_logits(req_id, row_end - 1, self.requests[req_id].block_ids[0],
+                                                    int(computed[i] + num_scheduled_tokens[i]) - req.discarded)
             if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(req.method):
                 # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
                 row_start = int(self.query_start_loc.np[i])
                 self.kvtrim_tap.plan_last(req_id, row_start, row_start + int(num_scheduled_tokens[i]))
                 self._kvtrim_sum_rows[req_id] = (int(computed[i]), min(int(num_scheduled_tokens[i]), prompt - int(computed[i])))
+        self.kvtrim_tap.seal_logits(self.kv_caches[0].shape[2] if self.kv_caches else 1)
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -256,6 +262,7 @@ class TrimModelRunner(CPUModelRunner):
         finally:
             self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
+        self.kvtrim_compaction_s += self.kvtrim_tap.take_seconds()  # the decode steps' logits: eviction time
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in due:
@@ -350,7 +357,8 @@ class TrimModelRunner(CPUModelRunner):
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
-                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout)
+                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout,
+                           self.kvtrim_tap.take_logits(req_id))
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
