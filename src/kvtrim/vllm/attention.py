@@ -82,6 +82,8 @@ class QueryTap:
     #: q_heads, U * block_size)` in the cache's dtype, slot order, filled layer by layer (`step_logits`)
     logit_index: dict[str, tuple[int, int]] = field(default_factory=dict)
     logits: torch.Tensor | None = None
+    #: their queries `(layers, R, q_heads, head_dim)` (what `last` holds for the other requests)
+    logit_queries: torch.Tensor | None = None
     #: the KV block layout the logits are read with (`kvtrim.vllm.block_layout`; set by the worker)
     layout: Any = None
     #: seconds spent on the logits since the worker last took them (`take_seconds`: eviction time)
@@ -125,20 +127,24 @@ class QueryTap:
         q_heads, head_dim)` and its cache, right after its attention (the step's keys were written before it)."""
         start = time.perf_counter()
         rows, table = self.logit_batch
-        logits = self.layout.table_key_logits(kv_cache, table, query.index_select(0, rows).to(kv_cache.dtype))
+        q = query.index_select(0, rows)
+        logits = self.layout.table_key_logits(kv_cache, table, q.to(kv_cache.dtype))
         if self.logits is None:
             self.logits = logits.new_empty((len(self.layers), *logits.shape))
-        self.logits[self.layers[layer_name]] = logits
+            self.logit_queries = q.new_empty((len(self.layers), *q.shape))
+        idx = self.layers[layer_name]
+        self.logits[idx], self.logit_queries[idx] = logits, q
         self.seconds += time.perf_counter() - start
 
-    def take_logits(self, req_id: str) -> torch.Tensor | None:
+    def take_logits(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request `req_id`'s decode step logits of this step, per layer `(layers, q_heads, 1, stored)` in slot
-        order (unscaled, the cache's dtype), or None when none were computed."""
+        order (unscaled, the cache's dtype), and its queries `(layers, q_heads, 1, head_dim)`; None when none were
+        computed."""
         if self.logits is None or req_id not in self.logit_index:
             return None
         r, stored = self.logit_index.pop(req_id)
         self.logits_taken += 1
-        return self.logits[:, r, :, None, :stored]
+        return self.logits[:, r, :, None, :stored], self.logit_queries[:, r, :, None]
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

@@ -57,7 +57,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     head_dim)`: the queries of its tokens after the prompt, from which `decide` computes a decode step's
     probabilities. Such a method's decode steps (`attention_only_decode`) run on the request's decision layer,
     kept from one step to the next in `entries.live` (`LiveDecode`: its positions and the method's state live
-    across steps; it is resumed from the positions only after any other compaction), with keys alone read. H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
+    across steps; it is resumed from the positions only after any other compaction), with keys alone read, or
+    none: `step_logits` `(layers, q_heads, 1, stored)`, slot order, when kvtrim's attention backend computed the
+    step's logits already (`QueryTap.step_logits`; `last` is then its queries `(layers, q_heads, 1, head_dim)`). H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
     of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
 
     `layout`: how the caches store their blocks (`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
@@ -271,7 +273,7 @@ def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.T
     told = live.layer.seen
     slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
     by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
-    query = torch.stack(last).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
+    query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
     # each query head reads its KV head's entries: in position order, that head's own order
     order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
     if logits is None:
@@ -284,12 +286,15 @@ def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.T
     hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, probs)
     if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return old + 1, LiveDecode(live.cache, slot_positions, by_position)
-    kept, n_keep = kept_slots(live.layer, slot_positions.gather(-1, by_position), by_position)
+    kept, n_keep = kept_slots(live.layer, slot_positions)
     moves, order = fill_layers_holes(kept, n_keep)
     for idx, heads, from_slots, to_slots in moves:  # nothing read but keys: copied inside the pool
         store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots)
-    slot_positions = slot_positions.gather(-1, order)
-    return n_keep, LiveDecode(live.cache, slot_positions, slot_positions.argsort(dim=-1))
+    # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
+    # (new slot j holds old slot `order[j]`)
+    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(n_layers, h, n_keep)
+    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(n_layers, h, n_keep))
+    return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), renumbered.gather(-1, old_slots))
 
 
 def _layer_group(method: EvictionMethod, n_layers: int) -> int:

@@ -71,19 +71,19 @@ def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")
-    kept, n_keep = kept_slots(layer, sorted_positions, by_position)
+    kept, n_keep = kept_slots(layer, slot_positions)
     return layer, kept, n_keep
 
 
-def kept_slots(layer: TrimLayer, sorted_positions: torch.Tensor, by_position: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """What `layer` (in position order) kept of the entries it held before its eviction, at `sorted_positions`
-    `(b, h, stored)` (ascending) in slots `by_position`: a slot mask `(b, h, stored)` and the kept count."""
-    b, h, stored = sorted_positions.shape
-    pos = layer.positions  # (b, h, n_keep), ascending
+def kept_slots(layer: TrimLayer, slot_positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What `layer` kept of the entries at `slot_positions` `(b, h, stored)` (slot order) it held before its
+    eviction: a slot mask `(b, h, stored)` (looked up by position: one scatter, one gather) and the kept count."""
+    b, h, stored = slot_positions.shape
+    pos = layer.positions  # (b, h, n_keep)
     if pos.shape[-1] == stored:  # nothing evicted
         return torch.ones(b, h, stored, dtype=torch.bool), stored
-    slots = by_position.gather(-1, torch.searchsorted(sorted_positions, pos.contiguous()))
-    return torch.zeros(b, h, stored, dtype=torch.bool).scatter_(-1, slots, True), pos.shape[-1]
+    held = torch.zeros(b * h, layer.seen, dtype=torch.bool).scatter_(-1, pos.reshape(b * h, -1), True)
+    return held.gather(-1, slot_positions.reshape(b * h, stored)).view(b, h, stored), pos.shape[-1]
 
 
 def hand_over(layer: TrimLayer, phase: Phase, q: int, full: tuple[torch.Tensor, torch.Tensor],

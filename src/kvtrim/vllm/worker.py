@@ -213,11 +213,12 @@ class TrimModelRunner(CPUModelRunner):
                 if due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and req.method.needs_attention:
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
-                    self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
                     if req.method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
-                        # its step's logits, computed by the attention backend for all such requests at once
+                        # its step's logits (and query), computed by the attention backend for all such requests at once
                         self.kvtrim_tap.plan_logits(req_id, row_end - 1, self.requests[req_id].block_ids[0],
                                                     int(computed[i] + num_scheduled_tokens[i]) - req.discarded)
+                    else:
+                        self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
             if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(req.method):
                 # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
                 row_start = int(self.query_start_loc.np[i])
@@ -350,15 +351,15 @@ class TrimModelRunner(CPUModelRunner):
                 if queries is None:
                     raise KvtrimError(f"{type(method).__name__} needs the prompt's queries, which this engine's "
                                       "attention does not hand over (kvtrim's attention backend is not in every layer)")
-            last = None
+            last = step_logits = None
             if method.needs_attention and steps[-1].phase is not Phase.PREFILL:  # TOVA, H2O: the step's queries
-                last = self.kvtrim_tap.take_last(req_id)
+                stepped = self.kvtrim_tap.take_logits(req_id)  # (a decode step's: with its logits)
+                step_logits, last = stepped if stepped is not None else (None, self.kvtrim_tap.take_last(req_id))
                 if last is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
-                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout,
-                           self.kvtrim_tap.take_logits(req_id))
+                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout, step_logits)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
