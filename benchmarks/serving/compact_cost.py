@@ -11,6 +11,9 @@ each) and what both cost per decode step on average (ms): the number to set besi
 (about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request). A method fed attention
 (TOVA, H2O, LazyEviction) gets random queries (9 query heads), as the worker hands it the captured ones: the
 prompt's at its end (`prompt_queries`; H2O: random column sums instead, `prompt_sums`), each due forward's after it.
+Its decode steps' logits, which the worker's attention backend computes for all such requests of a step at once
+(`QueryTap.step_logits`), are timed apart ("backend logits ms": one request's, a batch of one, median) and left
+out of the compactions.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.entries import RequestEntries
 from kvtrim.vllm.planning import block_end, plan_forward, prompt_block
-from kvtrim.vllm.layout import write_entries
+from kvtrim.vllm.layout import table_key_logits, write_entries
 from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
 LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 9, 128, 64, 56, 237, 2000
@@ -50,7 +53,7 @@ def request_cost(spec: str) -> dict:
         forwards.append((start, stop))
         start = stop
     forwards += [(PROMPT + i, PROMPT + i + 1) for i in range(OUTPUT)]
-    plan_s, compactions = [], []
+    plan_s, compactions, logits_s = [], [], []
     for computed, end in forwards:
         t0 = time.perf_counter()
         counts, due = plan_forward(counts, method, computed, end, PROMPT)
@@ -65,14 +68,26 @@ def request_cost(spec: str) -> dict:
         if due is not None:
             last = ([torch.randn(Q_HEADS, end - max(computed, PROMPT), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
                     if method.needs_attention and end > PROMPT else None)
+            step_logits = None
+            if method.attention_only_decode and end == computed + 1 > PROMPT:
+                # the worker's attention backend computes a decode step's logits right after each layer's attention,
+                # for every such request of the step at once: timed apart, one request's share (a batch of one)
+                last, stored = torch.stack(last), end - discarded
+                table = blocks[None, :-(-stored // BLOCK)]
+                t_logits = time.perf_counter()
+                step_logits = torch.stack([table_key_logits(kv, table, q[None, :, 0]) for kv, q in zip(caches, last)])
+                step_logits = step_logits[:, 0, :, None, :stored]
+                t3 += time.perf_counter() - t_logits
+                logits_s.append(time.perf_counter() - t_logits)
             discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last,
-                                sums if computed < PROMPT else None)
+                                sums if computed < PROMPT else None, step_logits=step_logits)
             if computed >= PROMPT:
                 compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:
             plan_s.append(t1 - t0)
     return {"plan_us": 1e6 * statistics.mean(plan_s), "compactions": len(compactions),
             "compaction_ms": 1e3 * statistics.median(compactions) if compactions else 0.0,
+            "logits_ms": 1e3 * statistics.median(logits_s) if logits_s else 0.0,
             "per_step_ms": 1e3 * (sum(plan_s) + sum(compactions)) / OUTPUT}
 
 
@@ -82,8 +97,9 @@ if __name__ == "__main__":
     if args[:1] == ["--threads"]:
         threads, args = int(args[1]), args[2:]
     torch.set_num_threads(threads)
-    print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18}")
+    print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18} "
+          f"{'backend logits ms':>17}")
     for spec in args or SPECS:
         r = request_cost(spec)
         print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
-              f"{r['per_step_ms']:>18.3f}")
+              f"{r['per_step_ms']:>18.3f} {r['logits_ms']:>17.3f}")
