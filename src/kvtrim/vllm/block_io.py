@@ -82,3 +82,21 @@ def fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], tor
                 moves.append((idx, r - idx * h, f, t))
     return moves, order.view(n_layers, h, n_keep)
 
+
+def move_layers_entries(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, kept: torch.Tensor,
+                        n_keep: int) -> torch.Tensor:
+    """`fill_holes` in every layer of `kept` `(layers, kv_heads, stored)` of a method whose values were not read:
+    the kept entries past `n_keep` copied inside the pool into the slots below it that lost theirs, the places of
+    every layer's moves worked out at once (one `slot_places` per side, not one per layer). Returns `order`
+    `(layers, kv_heads, n_keep)`."""
+    n_layers, h, stored = kept.shape
+    rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
+    if rows.numel():
+        block_size = kv_caches[0].shape[2]
+        source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
+        parts = [t.split(per_layer) for t in (rows % h, *source, *target)]
+        for idx, (heads, src_blk, src_off, dst_blk, dst_off) in enumerate(zip(*parts)):
+            if heads.numel():
+                layout.move_entries(kv_caches[idx], heads, (src_blk, src_off), (dst_blk, dst_off))
+    return order.view(n_layers, h, n_keep)

@@ -22,7 +22,7 @@ from kvtrim.attention import softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm import layout as cpu_vec
-from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, read_stored, store_moves
+from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, move_layers_entries, read_stored, store_moves
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import decide, hand_over, kept_slots
 from kvtrim.vllm.entries import RequestEntries, per_tensor
@@ -274,12 +274,13 @@ def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.T
     slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
     by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
     query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
-    # each query head reads its KV head's entries: in position order, that head's own order
-    order = by_position.repeat_interleave(query.shape[1] // h, dim=1)[:, :, None]
     if logits is None:
         logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
     check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
-    probs = softmax_probabilities(logits.gather(-1, order), None, scale)
+    # each query head reads its KV head's entries: in position order, that head's own order
+    group = query.shape[1] // h
+    in_order = logits[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
+    probs = softmax_probabilities(in_order.view(n_layers, h * group, 1, old + 1), None, scale)
     stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
     with live.cache.phase(Phase.DECODE):
         full = live.cache.update(stand_in, stand_in, 0)
@@ -287,9 +288,7 @@ def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.T
     if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return old + 1, LiveDecode(live.cache, slot_positions, by_position)
     kept, n_keep = kept_slots(live.layer, slot_positions)
-    moves, order = fill_layers_holes(kept, n_keep)
-    for idx, heads, from_slots, to_slots in moves:  # nothing read but keys: copied inside the pool
-        store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots)
+    order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)  # nothing read: copied inside the pool
     # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
     # (new slot j holds old slot `order[j]`)
     old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(n_layers, h, n_keep)
