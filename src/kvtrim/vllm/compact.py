@@ -217,10 +217,12 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
                                  None if queries is None else torch.stack(queries), scale,
                                  None if last is None else torch.stack(last),
                                  sums=None if sums is None else torch.stack(sums))
-    moves, order = fill_layers_holes(kept, n_keep)
-    for idx, heads, from_slots, to_slots in moves:
-        store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots, keys[idx],
-                    None if values is None else values[idx])
+    if values is None:  # nothing read but keys: copied inside the pool
+        order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)
+    else:
+        moves, order = fill_layers_holes(kept, n_keep)
+        for idx, heads, from_slots, to_slots in moves:
+            store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots, keys[idx], values[idx])
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
 

@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # (planning imports `hand_over` from here)
 def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
            slot_positions: torch.Tensor, old: int, told: int, steps: list[Step], prompt_tokens: int, state: Any,
            queries: torch.Tensor | None = None, scale: float | None = None, last: torch.Tensor | None = None,
-           probs: torch.Tensor | None = None, by_position: torch.Tensor | None = None,
            sums: torch.Tensor | None = None):
     """The method's decision on stored entries `(b, h, stored, d)` in slot order (`slot_positions` `(b, h,
     stored)`; the first `old` stored before this forward; keys None for a positions-only method, values None for
@@ -34,16 +33,14 @@ def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.
     a method that reads it in one), and the layer's softmax `scale`. A method that `needs_attention` (TOVA, H2O, LazyEviction) gets `last` `(b, q_heads, q, head_dim)`, the queries of
     the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
-    queries, as kvtrim's attention hands them). Any other step gets None. `probs` `(b, q_heads, 1, stored)` in
-    position order: a decode step's probabilities computed by the caller (then keys may be None: stand-ins);
-    `by_position`: `slot_positions.argsort(dim=-1)` when the caller has it already; `sums` `(b, kv_heads,
-    prompt)`: instead of `queries`, the prompt's attention column sums (`kvtrim.vllm.spec.prompt_sums`: H2O),
+    queries, as kvtrim's attention hands them). Any other step gets None. (A decode step whose probabilities the
+    caller computed runs on the request's kept decision layer instead: `kvtrim.vllm.compact.LiveDecode`.) `sums`
+    `(b, kv_heads, prompt)`: instead of `queries`, the prompt's attention column sums (`kvtrim.vllm.spec.prompt_sums`: H2O),
     handed over with the step that ends the prompt."""
     b, h, stored = slot_positions.shape
     # the method sees the entries in position order (this forward's tokens last: theirs are the latest positions,
     # wherever they lie: the first may have filled a hole)
-    if by_position is None:
-        by_position = slot_positions.argsort(dim=-1)
+    by_position = slot_positions.argsort(dim=-1)
     sorted_positions = slot_positions.gather(-1, by_position)
     real = keys if keys is not None else values
     if real is None:  # a positions-only method: stand-ins, it reads no keys or values
@@ -67,7 +64,7 @@ def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.
             full = cache.update(keys[:, :, start:start + q], values[:, :, start:start + q], len(cache.layers) - 1)
         if layer.awaiting_attention:  # attend, then evict: the hand-over of kvtrim's attention
             hand_over(layer, step.phase, q, full, queries if step.phase is Phase.PREFILL else None, last, scale,
-                      probs, sums if step.ends_prompt else None)
+                      sums=sums if step.ends_prompt else None)
         start += q
     check(not layer.is_ragged, f"{type(cache.method).__name__} kept different numbers of entries per KV head, which "
                                "vLLM's shared block table cannot hold")

@@ -14,8 +14,8 @@ then evict: vLLM attended to everything before the compaction runs.
 `StoredCounts` (the scheduler: the one authority for counts) follows a request through its forwards: the
 method's own `target` on the counts when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm, and
 SnapKV, TOVA, H2O, whose attention picks only which entries: no tensors, 7-21 µs a step; LazyEviction by
-its decode steps, `kept_after_decode`), else the method run on stand-in keys (one layer, one KV head, head_dim 8): how many entries the request stores after each
-forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on
+its decode steps, `kept_after_decode`), else the method run on stand-in keys (one layer, one KV head,
+head_dim 8): how many entries the request stores after each forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on
 token counts only (`kvtrim.vllm.spec`), so the scheduler's manager (`kvtrim.vllm.manager.TrimAttentionManager`)
 frees blocks by these counts and tells the worker, with each step's `SchedulerOutput` (`PLAN_ATTR`), which
 requests to compact and the count each must reach (`plan_forward`); the worker applies the method (`kvtrim.vllm.compact`) and checks its real count against it
