@@ -3,7 +3,7 @@
 the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a
 56-block pool), one thread: the long-generation load's request (a 237-token prompt, then 2,000 decode steps).
 
-    .venv/bin/python benchmarks/serving/compact_cost.py [--threads N] [SPEC ...]
+    .venv/bin/python benchmarks/serving/compact_cost.py [--threads N] [--layout vec|amx] [SPEC ...]
     # default: the long-generation load's methods (keydiff:budget=512 streaming:budget=512 lagkv:keep_ratio=0.125)
 
 Prints per method: the planning per forward (µs, mean), the compactions while decoding (how many, median ms
@@ -28,15 +28,20 @@ from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.entries import RequestEntries
 from kvtrim.vllm.planning import block_end, plan_forward, prompt_block
-from kvtrim.vllm.layout import table_key_logits, write_entries
+from kvtrim.vllm import layout as cpu_vec, layout_amx
 from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
 LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 9, 128, 64, 56, 237, 2000
 SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
 
 
-def request_cost(spec: str) -> dict:
-    """One request's planning and compactions under `spec`, timed (module docstring)."""
+#: the block layouts of vLLM's CPU kernels, by `--layout` (default "vec"; "amx": the kernel this machine's vLLM runs
+#: bf16 with, whose keys are laid out again before a product)
+LAYOUTS = {"vec": cpu_vec, "amx": layout_amx}
+
+
+def request_cost(spec: str, layout=cpu_vec) -> dict:
+    """One request's planning and compactions under `spec` on the blocks of `layout`, timed (module docstring)."""
     method = parse_method_spec(spec).build()
     caches = [torch.randn(POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
@@ -63,7 +68,7 @@ def request_cost(spec: str) -> dict:
         if computed >= PROMPT:  # the forward writes its token's entry (fresh: a moved entry's copy would tie)
             slot = torch.tensor([computed - discarded if hole is None else hole])
             for kv in caches:
-                write_entries(kv, blocks, torch.arange(KV_HEADS), slot.expand(KV_HEADS), *fresh[:, computed])
+                layout.write_entries(kv, blocks, torch.arange(KV_HEADS), slot.expand(KV_HEADS), *fresh[:, computed])
         t3 = time.perf_counter()
         if due is not None:
             last = ([torch.randn(Q_HEADS, end - max(computed, PROMPT), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
@@ -75,12 +80,12 @@ def request_cost(spec: str) -> dict:
                 last, stored = torch.stack(last), end - discarded
                 table = blocks[None, :-(-stored // BLOCK)]
                 t_logits = time.perf_counter()
-                step_logits = torch.stack([table_key_logits(kv, table, q[None, :, 0]) for kv, q in zip(caches, last)])
+                step_logits = torch.stack([layout.table_key_logits(kv, table, q[None, :, 0]) for kv, q in zip(caches, last)])
                 step_logits = step_logits[:, 0, :, None, :stored]
                 t3 += time.perf_counter() - t_logits
                 logits_s.append(time.perf_counter() - t_logits)
             discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last,
-                                sums if computed < PROMPT else None, step_logits=step_logits)
+                                sums if computed < PROMPT else None, layout, step_logits)
             if computed >= PROMPT:
                 compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:
@@ -96,10 +101,13 @@ if __name__ == "__main__":
     threads = 1  # `--threads N`: as many as the server's worker uses (its CPU cores), to see what small ops cost there
     if args[:1] == ["--threads"]:
         threads, args = int(args[1]), args[2:]
+    layout = cpu_vec
+    if args[:1] == ["--layout"]:
+        layout, args = LAYOUTS[args[1]], args[2:]
     torch.set_num_threads(threads)
     print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18} "
           f"{'backend logits ms':>17}")
     for spec in args or SPECS:
-        r = request_cost(spec)
+        r = request_cost(spec, layout)
         print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
               f"{r['per_step_ms']:>18.3f} {r['logits_ms']:>17.3f}")

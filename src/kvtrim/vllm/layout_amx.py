@@ -132,8 +132,8 @@ def request_key_logits(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, n
 
 def table_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """`kvtrim.vllm.layout.table_key_logits` on this layout: the key halves of every request's blocks gathered
-    token-major (channel pairs as words) in one pass (an `index_select` of the permuted view: 1.4x faster than
-    gathering, then permuting), one product per block.
+    token-major (channel pairs as words) in one pass (an `index_select` of the permuted view, not a gather and then
+    a permuted copy), one product per block.
 
     Returns:
         `(requests, q_heads, blocks * block_size)`, slot order.
