@@ -346,6 +346,29 @@ def test_a_request_the_pool_can_never_hold_ends_with_an_error():
     assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 12 and not s.requests
 
 
+@pytest.mark.parametrize("spec,prompt,new_tokens,unfit", [
+    ("full", 700, 10, True), ("full", 150, 10, False), ("full", 150, 60, True), ("full", 100, None, True),
+    ("keydiff:budget=48:block_size=32", 1500, 400, False), ("streaming:budget=64", 100, 1500, False),
+    ("snapkv:compression_ratio=0.5", 300, 10, False), ("snapkv:compression_ratio=0.5", 400, 10, True),
+    ("lagkv:compression_ratio=0.5", 180, 4, False), (None, 120, 100, False), (None, 120, 200, True)])
+def test_the_front_end_refuses_exactly_what_the_manager_would_end(spec, prompt, new_tokens, unfit):
+    """The server's front end (`TrimCpuPlatform.validate_request`, an HTTP 400) refuses a request exactly when
+    the scheduler's manager would end it before it runs (the same rule, `never_fits`, fed from the server's
+    configuration instead of the manager's own state), with the same line; `spec=None`: the server's default
+    (`snapkv:compression_ratio=0.5`); `new_tokens=None`: vLLM's default, up to `max_model_len`."""
+    from kvtrim.vllm.platform import unfit_request
+
+    s = make_scheduler(12, method="snapkv:compression_ratio=0.5")  # 12 blocks of 16: 192 entries
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, extra_args={"kvtrim": spec} if spec else None)
+    why = unfit_request(s.vllm_config, prompt, params)
+    if new_tokens is None:  # vLLM's front end resolves it as it builds the request
+        params.max_tokens = s.vllm_config.model_config.max_model_len - prompt
+    s.add_request(Request("r0", list(range(100, 100 + prompt)), params, None))
+    s.schedule()
+    assert why == s.trim.failed.get("r0"), (why, s.trim.failed)
+    assert (why is not None) == unfit and (why is None or why.startswith(f"its prompt of {prompt} tokens"))
+
+
 def test_the_kv_cache_spec_asks_vllm_for_the_methods_peak():
     """vLLM's start-up check (one `max_model_len` request must fit) passes on a pool smaller than
     `max_model_len` when the server's method bounds what a request holds (KeyDiff `budget=`: budget + block),

@@ -342,7 +342,8 @@ def test_a_prompt_longer_than_the_pool_is_served_in_blocks():
     with `--max-model-len 8192` (plain vLLM refuses to start so: one 8,192-token request must fit; kvtrim's
     KV-cache spec reports the method's peak, 1,280 entries): a ~7,000-token passkey prompt is read in blocks
     of 256, each evicting back to 1,024 entries, and answered; a `full` request of the same prompt, which this
-    pool can never hold, ends with an error (one line in the log) and the server goes on. On this prompt (seed 5,
+    pool can never hold, is refused before it runs (HTTP 400, one line; also a short chat asking for 8,000
+    tokens) and the server goes on. On this prompt (seed 5,
     6,981 tokens) the engine's 12 greedy tokens were those of `kvtrim.generate(model, ids, method,
     max_new_tokens=12)` in transformers (bf16, blocks of 256): ' a mathematical formula that allows you to
     determine the color of a' (KeyDiff at this budget loses the needle; the full cache finds it), measured
@@ -367,10 +368,18 @@ def test_a_prompt_longer_than_the_pool_is_served_in_blocks():
         assert f"keeps 1024 of {n_prompt} entries after its prompt (KeyDiff)" in log  # ... and the last one
         print(f"passkey {sample.key} {'found' if sample.key in r.choices[0].text else 'not found'}: "
               f"{r.choices[0].text!r} ({blocks} prompt-block compactions)")
-        with pytest.raises(openai.InternalServerError):
+        # refused by the front end before it reaches the engine: a 400 with the one line (the pool holds 16 blocks)
+        with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model, prompt=sample.prompt, max_tokens=NEW_TOKENS, temperature=0,
                                       extra_body={"vllm_xargs": {"kvtrim": "full"}})
-        assert f"ended with an error: its prompt of {n_prompt} tokens" in s.tail(100000)
+        assert (f"kvtrim: its prompt of {n_prompt} tokens and max_tokens={NEW_TOKENS} may take "
+                f"{-(-(n_prompt + NEW_TOKENS) // 128)} KV blocks under full, more than the 16 of this server's pool"
+                in refused.value.message)
+        with pytest.raises(openai.BadRequestError) as refused:  # a short chat, but room for 8,000 tokens asked
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=8000, extra_body={"vllm_xargs": {"kvtrim": "full"}})
+        assert "max_tokens=8000 may take 63 KV blocks under full" in refused.value.message
+        assert "ended with an error: its prompt" not in s.tail(100000)  # neither reached the engine
         assert client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
                                          temperature=0).usage.completion_tokens == 4
         wait_idle(s.url)

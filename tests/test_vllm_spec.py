@@ -123,6 +123,28 @@ def test_serve_hands_method_and_admission_to_vllm(capsys):
     assert len(err) == 1 and "--admission: invalid choice: 'lazy'" in err[0]
 
 
+def test_the_platform_plugin_is_kvtrim_serves_alone(monkeypatch):
+    """kvtrim's `vllm.platform_plugins` entry point names its platform (the front end's 400 for a request that
+    can never fit the pool) only in a `kvtrim serve` server's environment: plain vLLM in the same environment keeps
+    vLLM's own CPU platform."""
+    pytest.importorskip("vllm", reason="needs vLLM's CPU build (.venv-serve)")
+    import importlib.metadata
+
+    from kvtrim.vllm import SERVE_ENV
+    from kvtrim.vllm.plugin import platform
+
+    found = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.platform_plugins")}
+    assert found.get("kvtrim") == "kvtrim.vllm.plugin:platform"
+    monkeypatch.delenv(SERVE_ENV, raising=False)
+    assert platform() is None
+    monkeypatch.setenv(SERVE_ENV, "1")
+    assert platform() == "kvtrim.vllm.platform.TrimCpuPlatform"
+    from kvtrim.vllm.platform import TrimCpuPlatform
+    from vllm.platforms.cpu import CpuPlatform
+
+    assert issubclass(TrimCpuPlatform, CpuPlatform)
+
+
 def test_a_method_fed_attention_runs_whatever_its_class():
     """The engine hands any method that needs attention what kvtrim's attention hands it in transformers (each
     decode step's probabilities): a subclass of a built-in ranking, or an `EvictionMethod` deciding in

@@ -16,6 +16,8 @@ Pieces (each through one of vLLM's extension points; vLLM's files are never edit
   which copies the post-RoPE queries the worker asks for (a prompt's last window).
 * `kvtrim.vllm.validate`: `--logits-processors kvtrim.vllm.validate:MethodSpecCheck`, whose
   `validate_params` refuses a bad per-request spec before the request is admitted (HTTP 400).
+* `kvtrim.vllm.platform`: vLLM's CPU platform (a `vllm.platform_plugins` entry point, in `kvtrim serve` only)
+  whose front-end check refuses a request that can never fit the pool (HTTP 400).
 * `kvtrim.vllm.cli`: `kvtrim serve`, which starts `python -m vllm.entrypoints.openai.api_server` with those.
 
 The worker overrides private methods of vLLM's model runner, so it runs on exactly `VLLM_VERSION`.
@@ -30,3 +32,5 @@ ADMISSION_KEY = "kvtrim_admission"
 ADMISSIONS = ("peak", "vllm")
 #: the per-request method: `extra_body={"vllm_xargs": {"kvtrim": SPEC}}` (SamplingParams.extra_args)
 REQUEST_KEY = "kvtrim"
+#: set to "1" in the environment of `kvtrim serve`'s server only: kvtrim's platform plugin activates there
+SERVE_ENV = "KVTRIM_SERVE"

@@ -10,8 +10,9 @@ kvtrim.vllm.scheduler.TrimScheduler` (the emptied blocks go back to the pool), `
 kvtrim.vllm.validate:MethodSpecCheck` (a bad per-request spec is a 400), `--additional-config
 {"kvtrim_method": SPEC}` (the server's default) and `--no-enable-prefix-caching`.
 Named models (`kvtrim models`) resolve to their local safetensors copy (built on first use). The child
-process alone gets `HF_HUB_OFFLINE=1` and `LD_PRELOAD` of the environment's `libiomp5.so` (OpenMP
-wants it loaded first); the caller's environment is left as it is.
+process alone gets `HF_HUB_OFFLINE=1`, `KVTRIM_SERVE=1` (kvtrim's platform plugin: `kvtrim.vllm.platform`)
+and `LD_PRELOAD` of the environment's `libiomp5.so` (OpenMP wants it loaded first); the caller's environment
+is left as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import sys
 
 from kvtrim.methods.base import KvtrimError, check
-from kvtrim.vllm import ADMISSIONS
+from kvtrim.vllm import ADMISSIONS, SERVE_ENV
 
 #: flags kvtrim serve sets itself, or refuses (the reason)
 _OWN = {"--worker-cls": "kvtrim serve sets the worker itself",
@@ -123,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    proc = subprocess.Popen(cmd, env=child_env())
+    proc = subprocess.Popen(cmd, env=dict(child_env(), **{SERVE_ENV: "1"}))  # kvtrim's platform (plugin.platform)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM: stop the server, then report

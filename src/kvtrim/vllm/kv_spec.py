@@ -3,7 +3,8 @@ server method's peak (`kvtrim.vllm.planning.longest_peak`), as vLLM's own slidin
 window. vLLM's start-up check (one request of `--max-model-len` tokens must fit in the pool) then asks for
 `budget + block_size` entries under `keydiff:budget=...`, not `--max-model-len`: a server whose pool is
 smaller than one full-length request starts. Any request that its own method would not fit in the pool is
-ended with an error by the scheduler (`TrimAttentionManager._unfit`), never admitted to be preempted forever.
+refused by the front end (HTTP 400, `kvtrim.vllm.platform`) and, should one reach the scheduler, ended with an
+error there (`TrimAttentionManager._unfit`), never admitted to be preempted forever.
 
 The subclass adds no field (vLLM merges the layers' specs by their fields). It is registered in vLLM's
 `KVCacheSpecRegistry` with its own manager, `kvtrim.vllm.manager.TrimAttentionManager` (grouped as full attention),

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrim.methods.base import EvictionMethod, one_line
-from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, plan_forward, prompt_block, prompt_peak,
-                                  slots_held)
+from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
+                                  request_peak, slots_held)
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -202,37 +202,16 @@ class TrimAttentionManager(FullAttentionManager):
         return total if self.max_model_len is None else min(total, self.max_model_len)
 
     def _peak(self, state: TrimRequest) -> int | None:
-        """The blocks the request holds at most under its method once its prompt is in (then `max_tokens`
-        decoded; `EvictionMethod.peak_stored`), and while its prompt is read when it is read in blocks
-        (`prompt_peak`), or None when its method does not bound it below its tokens (worked out once)."""
+        """The blocks the request holds at most (`request_peak`; None: its method does not bound it), worked out
+        once."""
         if not state.peak_known:
-            state.peak, state.peak_known = self._work_out_peak(state), True
+            state.peak, state.grows = request_peak(state.method, state.request.num_prompt_tokens, self._total(state),
+                                                   self.block_size)
+            state.peak_known = True
         return state.peak
 
-    def _work_out_peak(self, state: TrimRequest) -> int | None:
-        method, prompt = state.method, state.request.num_prompt_tokens
-        if method is None:
-            return None
-        total = self._total(state)
-        peak = method.peak_stored(prompt, total)
-        if peak is None or peak >= total:
-            return None
-        # every decoded token kept: its peak is reached only at its last token, reserved from its first
-        state.grows = total > prompt and peak == method.peak_stored(prompt, prompt) + total - prompt
-        if prompt_block(method) is not None:
-            peak = max(peak, prompt_peak(method, prompt))
-        return blocks_needed(peak, self.block_size)
-
     def _unfit(self, state: TrimRequest, peak: int | None) -> str | None:
-        """Why the request can never run in this pool, or None: the most it may hold (`peak`; its prompt and
-        `max_tokens` when its method does not bound it) exceeds every block."""
-        if peak is None:
-            peak = blocks_needed(self._total(state), self.block_size)
-        pool = self.block_pool.num_gpu_blocks - 1  # vLLM keeps one null block
-        if peak <= pool:
-            return None
+        """Why the request can never run in this pool (`never_fits`), or None."""
         request = state.request
-        name = "full" if state.method is None else type(state.method).__name__
-        return (f"its prompt of {request.num_prompt_tokens} tokens and max_tokens={request.max_tokens} may take "
-                f"{peak} KV blocks under {name}, more than the {pool} of this server's pool: send a shorter request, "
-                f"or a method that bounds it (e.g. keydiff:budget=...)")
+        return never_fits(state.method, request.num_prompt_tokens, request.max_tokens, self._total(state), peak,
+                          self.block_size, self.block_pool.num_gpu_blocks - 1)  # vLLM keeps one null block

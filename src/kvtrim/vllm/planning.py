@@ -292,6 +292,38 @@ def prompt_peak(method: EvictionMethod, prompt_tokens: int) -> int:
     return peak
 
 
+def request_peak(method: EvictionMethod | None, prompt_tokens: int, total: int,
+                 block_size: int) -> tuple[int | None, bool]:
+    """The blocks a request of `prompt_tokens` that may reach `total` tokens holds at most under `method`: once
+    its prompt is in and then as it decodes (`EvictionMethod.peak_stored`), and while its prompt is read when it
+    is read in blocks (`prompt_peak`); None when its method does not bound it below its tokens. And whether its
+    method keeps every token it decodes (its peak reached only at its last token: a prompt-end method)."""
+    if method is None:
+        return None, False
+    peak = method.peak_stored(prompt_tokens, total)
+    if peak is None or peak >= total:
+        return None, False
+    grows = total > prompt_tokens and peak == method.peak_stored(prompt_tokens, prompt_tokens) + total - prompt_tokens
+    if prompt_block(method) is not None:
+        peak = max(peak, prompt_peak(method, prompt_tokens))
+    return blocks_needed(peak, block_size), grows
+
+
+def never_fits(method: EvictionMethod | None, prompt_tokens: int, max_tokens: int, total: int, peak: int | None,
+               block_size: int, pool: int) -> str | None:
+    """Why a request can never run in a pool of `pool` usable blocks (one line), or None: the most it may hold
+    (`peak`, from `request_peak`; its `total` tokens when its method does not bound it) exceeds the pool. The
+    one rule of the scheduler's manager (which ends such a request before it runs) and of the server's front
+    end (which answers it with a 400: `kvtrim.vllm.platform`)."""
+    blocks = blocks_needed(total, block_size) if peak is None else peak
+    if blocks <= pool:
+        return None
+    name = "full" if method is None else type(method).__name__
+    return (f"its prompt of {prompt_tokens} tokens and max_tokens={max_tokens} may take {blocks} KV blocks under "
+            f"{name}, more than the {pool} of this server's pool: send a shorter request, or a method that bounds "
+            f"it (e.g. keydiff:budget=...)")
+
+
 def longest_peak(method: EvictionMethod | None, max_len: int) -> int:
     """The most entries one request of at most `max_len` tokens may hold under `method` in the engine, however
     its tokens split between prompt and output (what the server's KV-cache spec reports, so that vLLM's

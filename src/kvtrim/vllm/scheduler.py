@@ -27,10 +27,9 @@ from __future__ import annotations
 import time
 
 from kvtrim.methods.base import KvtrimError, one_line
-from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
-from kvtrim.vllm.spec import method_for_vllm
+from kvtrim.vllm.spec import method_for_vllm, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -74,8 +73,7 @@ class TrimScheduler(Scheduler):
         return self.trim.freed_blocks
 
     def _kvtrim_method(self, request):
-        extra = (request.sampling_params.extra_args or {}) if request.sampling_params is not None else {}
-        return method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default))
+        return request_method(request.sampling_params, self.kvtrim_default)
 
     def add_request(self, request) -> None:
         new = request.request_id not in self.requests

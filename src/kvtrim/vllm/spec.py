@@ -47,6 +47,7 @@ from functools import cache, lru_cache
 from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
 from kvtrim.specs import parse_method_spec
+from kvtrim.vllm import REQUEST_KEY
 
 
 def refusal(method: EvictionMethod) -> str | None:
@@ -105,6 +106,13 @@ def method_for_vllm(text: str) -> EvictionMethod | None:
     if not isinstance(text, str):
         raise KvtrimError(f"the kvtrim method must be a spec string such as 'lagkv:compression_ratio=0.5', got {text!r}")
     return _method(text)
+
+
+def request_method(params, default: str) -> EvictionMethod | None:
+    """The method a request runs under: its own spec (`vllm_xargs={"kvtrim": SPEC}`, in its sampling parameters'
+    `extra_args`) or the server's `default` (one-line `KvtrimError` for a bad one)."""
+    extra = getattr(params, "extra_args", None) or {}
+    return method_for_vllm(extra.get(REQUEST_KEY, default))
 
 
 @cache

@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
-from kvtrim.vllm import REQUEST_KEY
 from kvtrim.vllm.block_io import add_prompt_sums
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.entries import RequestEntries
@@ -59,7 +58,7 @@ from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import layout as cpu_vec
 from kvtrim.vllm.block_layout import CPU_BACKEND, block_layout
-from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums
+from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
 
 
@@ -166,9 +165,8 @@ class TrimModelRunner(CPUModelRunner):
         """Request `req_id`'s state (started at its first forward, with its method)."""
         req = self.kvtrim_requests.get(req_id)
         if req is None:
-            params = self.requests[req_id].sampling_params
-            extra = (params.extra_args or {}) if params is not None else {}
-            req = self.kvtrim_requests[req_id] = WorkerRequest(method_for_vllm(extra.get(REQUEST_KEY, self.kvtrim_default)))
+            method = request_method(self.requests[req_id].sampling_params, self.kvtrim_default)
+            req = self.kvtrim_requests[req_id] = WorkerRequest(method)
         return req
 
     def kvtrim_method(self, req_id: str) -> EvictionMethod | None:
