@@ -57,8 +57,9 @@ def make_config(method: str = "full", max_seqs: int = 32, cache: dict | None = N
 
 
 def make_scheduler(blocks: int, method: str = "full", max_seqs: int = 32, admission=None,
-                   batched: int = 8192) -> TrimScheduler:
-    cfg = make_config(method, max_seqs, admission=admission, batched=batched)
+                   batched: int = 8192, prefix_caching: bool = False) -> TrimScheduler:
+    cfg = make_config(method, max_seqs, admission=admission, batched=batched,
+                      cache={"enable_prefix_caching": prefix_caching})
     cfg.cache_config.num_gpu_blocks = blocks + 1  # vLLM keeps one null block
     spec = trim_spec(FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32))
     kv = KVCacheConfig(num_blocks=blocks + 1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
@@ -369,6 +370,42 @@ def test_the_front_end_refuses_exactly_what_the_manager_would_end(spec, prompt, 
     assert (why is not None) == unfit and (why is None or why.startswith(f"its prompt of {prompt} tokens"))
 
 
+def test_with_prefix_caching_full_requests_share_blocks_and_compacting_ones_keep_out():
+    """vLLM's prefix caching on: `full` requests of one prompt share its cached blocks as in vLLM; a request whose
+    method compacts (KeyDiff, StreamingLLM) of the same prompt finds none of them, caches none of its own, and
+    never holds a block another request holds or the cache indexes, at any step; the pool ends with every block
+    free (the cached ones evictable)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    s = make_scheduler(40, prefix_caching=True)
+    prompt = list(range(100, 100 + 150))  # 9 full blocks and a part
+
+    def send(rid, spec):
+        extra = {"kvtrim": spec} if spec else None
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=40, ignore_eos=True, extra_args=extra), None,
+                              block_hasher=hasher))
+
+    send("f0", None)
+    step(s)  # f0's prompt: its 9 full blocks cached
+    send("f1", None)
+    send("k0", "keydiff:compression_ratio=0.5")
+    send("s0", "streaming:budget=64")
+    scheduled = step(s)
+    assert scheduled["f1"] == 150 - 144 and s.trim.req_to_blocks["f1"][:9] == s.trim.req_to_blocks["f0"][:9]  # a hit
+    assert scheduled["k0"] == scheduled["s0"] == 150  # no hit: their whole prompts computed
+    ids = lambda r: {b.block_id for b in s.trim.req_to_blocks.get(r, ())}  # noqa: E731
+    while s.has_requests():
+        for r in ("k0", "s0"):
+            mine = s.trim.req_to_blocks.get(r, [])
+            assert all(b.block_hash is None and b.ref_cnt == 1 for b in mine), r
+            assert not ids(r) & (ids("f0") | ids("f1") | ids("k0" if r == "s0" else "s0")), r
+        step(s)
+    assert free_blocks(s) == 40 and not s.trim.states
+
+
 def test_the_kv_cache_spec_asks_vllm_for_the_methods_peak():
     """vLLM's start-up check (one `max_model_len` request must fit) passes on a pool smaller than
     `max_model_len` when the server's method bounds what a request holds (KeyDiff `budget=`: budget + block),
@@ -446,7 +483,6 @@ def test_a_failed_compaction_is_an_error_even_when_its_step_token_ends_the_reque
 @pytest.mark.parametrize("cache, async_scheduling, words", [
     ({"cache_dtype": "fp8"}, False, "quantised KV cache (--kv-cache-dtype fp8)"),
     (None, True, "async scheduling"),
-    ({"enable_prefix_caching": True}, False, "prefix caching"),
 ])
 def test_features_that_break_compaction_are_refused_at_start(cache, async_scheduling, words):
     from kvtrim.methods.base import KvtrimError

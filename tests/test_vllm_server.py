@@ -66,9 +66,12 @@ def complete(url: str, prompts: list[str], xargs: dict | None = None, max_tokens
 def test_full_is_plain_vllm(server, plain, prompts):
     # one request at a time: vLLM's "amx" kernel (bfloat16 on AMX CPUs) gives plain vLLM itself a different greedy
     # text when the same requests arrive batched differently (measured: concurrent != concurrent again)
+    # prefix caching on in both (vLLM's default): the passkey prompts share their first blocks, and the second
+    # round finds every prompt cached; on that kernel a hit changes greedy texts too, the same way in both
     texts = [s.prompt for s in prompts[:4]] + ["The capital of France is", "def fibonacci(n):"]
     expected = complete(plain.url, texts, at_once=1)
     assert complete(server.url, texts, at_once=1) == expected  # the server's default: full
+    expected = complete(plain.url, texts, at_once=1)
     assert complete(server.url, texts, {"kvtrim": "full"}, at_once=1) == expected
     assert " entries after its prompt (" not in server.tail(400)  # full compacts nothing
 
@@ -164,6 +167,29 @@ def wait_idle(url: str, timeout: float = 60) -> None:
         time.sleep(0.5)
     raise AssertionError(f"the server kept requests or blocks: running={gauge(url, 'vllm:num_requests_running')}, "
                          f"kv usage={gauge(url, 'vllm:kv_cache_usage_perc')}")
+
+
+def test_prefix_caching_is_vllms_for_full_requests_and_compacting_ones_keep_out(server, prompts):
+    """`kvtrim serve` keeps vLLM's prefix caching on: a `full` request of a prompt already served finds its
+    blocks (vLLM's prefix-cache hits grow by its full blocks; its text is vLLM's, `test_full_is_plain_vllm`); a
+    compacting request (KeyDiff) of the same prompt neither finds nor leaves cached blocks (no hit, before or
+    after the full ones cached it) and answers as it did before anything was cached: with prefix caching on as
+    with it off."""
+    text = ["A prompt of this test alone. " + prompts[6].prompt]  # (its first block cached by no other test)
+    keydiff = {"kvtrim": "keydiff:compression_ratio=0.5"}
+    hits = lambda: gauge(server.url, "vllm:prefix_cache_hits_total")  # noqa: E731 - (tokens)
+    before = hits()
+    first = complete(server.url, text, keydiff)
+    assert complete(server.url, text, keydiff) == first and hits() == before  # it caches nothing of its own
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    n = client.completions.create(model=model, prompt=text[0], max_tokens=NEW_TOKENS).usage.prompt_tokens
+    assert hits() == before
+    complete(server.url, text)
+    cached = (n - 1) // 128 * 128  # vLLM's hit: the full blocks of 128 before the last token
+    assert hits() == before + cached > before
+    assert complete(server.url, text, keydiff) == first and hits() == before + cached  # it reads none either
+    wait_idle(server.url)
 
 
 def test_compacted_blocks_return_to_the_pool(server, prompts):

@@ -36,7 +36,7 @@ class Server:
 
             env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(model)),
-                   "--port", str(self.port), "--no-enable-prefix-caching", *SERVER_FLAGS, *(extra or [])]
+                   "--port", str(self.port), *SERVER_FLAGS, *(extra or [])]  # (prefix caching on, as kvtrim serve)
         else:
             cmd = [sys.executable, "-m", "kvtrim.cli", "serve", "--model", model, "--method", method,
                    "--port", str(self.port), *SERVER_FLAGS, *(extra or [])]

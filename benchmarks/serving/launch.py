@@ -47,7 +47,7 @@ def server_command(model: str, method: str | None, port: int, flags: list[str]) 
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(model)),
                 "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching", *flags]
     return [sys.executable, "-m", "kvtrim.cli", "serve", "--model", model, "--method", method,
-            "--host", "127.0.0.1", "--port", str(port), *flags]
+            "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching", *flags]
 
 
 class Server:

@@ -8,7 +8,9 @@ runs `python -m vllm.entrypoints.openai.api_server` with:
 `--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (eviction), `--scheduler-cls
 kvtrim.vllm.scheduler.TrimScheduler` (the emptied blocks go back to the pool), `--logits-processors
 kvtrim.vllm.validate:MethodSpecCheck` (a bad per-request spec is a 400), `--additional-config
-{"kvtrim_method": SPEC}` (the server's default) and `--no-enable-prefix-caching`.
+{"kvtrim_method": SPEC}` (the server's default). Prefix caching is vLLM's (on unless
+`--no-enable-prefix-caching`): requests whose method compacts neither read nor write it
+(`kvtrim.vllm.manager`).
 Named models (`kvtrim models`) resolve to their local safetensors copy (built on first use). The child
 process alone gets `HF_HUB_OFFLINE=1`, `KVTRIM_SERVE=1` (kvtrim's platform plugin: `kvtrim.vllm.platform`)
 and `LD_PRELOAD` of the environment's `libiomp5.so` (OpenMP wants it loaded first); the caller's environment
@@ -34,7 +36,6 @@ _OWN = {"--worker-cls": "kvtrim serve sets the worker itself",
         "--logits-processors": "kvtrim serve sets it itself",
         "--additional-config": "use --method for the server's default", "--model": None}
 _REFUSED = {
-    "--enable-prefix-caching": "prefix caching would share compacted blocks",
     "--speculative-config": "speculative decoding would replay evicted entries",
     "--kv-transfer-config": "a KV connector would save or load compacted blocks as if they held the tokens in order",
     "--kv-offloading-size": "KV offloading is a KV connector: it would save or load compacted blocks as if they held "
@@ -96,8 +97,7 @@ def vllm_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
             "--worker-cls", "kvtrim.vllm.worker.TrimCPUWorker",
             "--scheduler-cls", "kvtrim.vllm.scheduler.TrimScheduler",
             "--logits-processors", "kvtrim.vllm.validate:MethodSpecCheck",
-            "--additional-config", json.dumps({CONFIG_KEY: args.method, ADMISSION_KEY: args.admission}),
-            "--no-enable-prefix-caching", *extra]
+            "--additional-config", json.dumps({CONFIG_KEY: args.method, ADMISSION_KEY: args.admission}), *extra]
 
 
 def child_env() -> dict[str, str]:

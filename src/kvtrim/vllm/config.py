@@ -23,12 +23,9 @@ def server_admission(vllm_config) -> str:
 
 
 def refuse_features(vllm_config) -> None:
-    """One-line refusals, at start, of what compaction would break: shared, replayed or transferred blocks, a step
+    """One-line refusals, at start, of what compaction would break: replayed or transferred blocks, a step
     scheduled before the last one's blocks are freed, attention that depends on where an entry is stored, entries
     not stored in the model's dtype, layers whose caches are not plain full attention."""
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise KvtrimError("kvtrim's vLLM worker refuses prefix caching (compacted blocks must not be shared): "
-                          "pass --no-enable-prefix-caching")
     if vllm_config.speculative_config is not None:
         raise KvtrimError("kvtrim's vLLM worker refuses speculative decoding (drafts would replay evicted entries)")
     if vllm_config.kv_transfer_config is not None:

@@ -27,7 +27,11 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
   its counts start over and it is recomputed later), finished or aborted (its state goes): `_release`, the one
   cleanup path, runs from vLLM's own `free` / `pop_blocks_for_free`;
 * failures: whatever a method raises while this manager plans or admits its request ends that request only:
-  the request is named in `failed` (one line), never admitted again, and the scheduler ends it with an error.
+  the request is named in `failed` (one line), never admitted again, and the scheduler ends it with an error;
+* prefix caching (vLLM's, on by default): `full` requests share cached blocks as in vLLM; a request whose method
+  compacts neither finds cached blocks nor caches its own (`start`, `cache_blocks`): a compaction never writes
+  a block another request holds or the cache indexes, and no block computed after an eviction is found under
+  its tokens' hash.
 """
 
 from __future__ import annotations
@@ -96,8 +100,20 @@ class TrimAttentionManager(FullAttentionManager):
     # -- the life of a request ------------------------------------------------------------------------------
 
     def start(self, request, method: EvictionMethod | None) -> None:
-        """A new request, under `method` (None: `full`)."""
+        """A new request, under `method` (None: `full`). One whose method compacts keeps out of the prefix cache:
+        it finds no cached blocks (vLLM's per-request `skip_reading_prefix_cache`, as for a request that wants its
+        prompt's logprobs) and caches none of its own (`cache_blocks`), so every block it compacts is its own."""
         self.states[request.request_id] = TrimRequest(request, method)
+        if method is not None:
+            request.skip_reading_prefix_cache = True
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        # vLLM indexes a request's full blocks by the hash of their tokens as they are scheduled; a compacting
+        # request's blocks stop holding those tokens in order (and later ones are computed after an eviction)
+        state = self.states.get(request.request_id)
+        if state is not None and state.method is not None:
+            return
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def fail(self, request_id: str, why: str) -> None:
         """End request `request_id` with an error at the step's update (`take_failed`); it is not admitted again."""
