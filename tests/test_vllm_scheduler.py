@@ -370,11 +370,13 @@ def test_the_front_end_refuses_exactly_what_the_manager_would_end(spec, prompt, 
     assert (why is not None) == unfit and (why is None or why.startswith(f"its prompt of {prompt} tokens"))
 
 
-def test_with_prefix_caching_full_requests_share_blocks_and_compacting_ones_keep_out():
-    """vLLM's prefix caching on: `full` requests of one prompt share its cached blocks as in vLLM; a request whose
-    method compacts (KeyDiff, StreamingLLM) of the same prompt finds none of them, caches none of its own, and
-    never holds a block another request holds or the cache indexes, at any step; the pool ends with every block
-    free (the cached ones evictable)."""
+def test_with_prefix_caching_requests_share_blocks_and_compactions_write_only_their_own():
+    """vLLM's prefix caching on, a prompt cached by a `full` request: `full` and prompt-end compacting requests
+    (KeyDiff, StreamingLLM) of the same prompt start from its cached blocks; H2O (it needs every prompt row's
+    attention) computes the whole prompt. A compaction never writes a block another request holds or the cache
+    indexes: the blocks it writes are fresh copies (`Due.copies`, from the old shared ones), the old ones go back
+    after it, and the prompt stays cached (a later `full` request still finds it). The counts are those of a
+    request that computed its whole prompt; the pool ends with every block free."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -390,19 +392,25 @@ def test_with_prefix_caching_full_requests_share_blocks_and_compacting_ones_keep
 
     send("f0", None)
     step(s)  # f0's prompt: its 9 full blocks cached
-    send("f1", None)
-    send("k0", "keydiff:compression_ratio=0.5")
-    send("s0", "streaming:budget=64")
-    scheduled = step(s)
-    assert scheduled["f1"] == 150 - 144 and s.trim.req_to_blocks["f1"][:9] == s.trim.req_to_blocks["f0"][:9]  # a hit
-    assert scheduled["k0"] == scheduled["s0"] == 150  # no hit: their whole prompts computed
-    ids = lambda r: {b.block_id for b in s.trim.req_to_blocks.get(r, ())}  # noqa: E731
-    while s.has_requests():
-        for r in ("k0", "s0"):
-            mine = s.trim.req_to_blocks.get(r, [])
-            assert all(b.block_hash is None and b.ref_cnt == 1 for b in mine), r
-            assert not ids(r) & (ids("f0") | ids("f1") | ids("k0" if r == "s0" else "s0")), r
-        step(s)
+    cached = list(s.trim.req_to_blocks["f0"][:9])
+    for rid, spec in [("f1", None), ("k0", "keydiff:compression_ratio=0.5"), ("s0", "streaming:budget=64"),
+                      ("h0", "h2o:compression_ratio=0.5")]:
+        send(rid, spec)
+    scheduled, due = step(s, plans=True)
+    assert scheduled == {"f0": 1, "f1": 6, "k0": 6, "s0": 6, "h0": 150}  # hits of 144 tokens, but for H2O
+    assert due["k0"].discarded == 75 and due["s0"].discarded == 150 - 64 and due["h0"].discarded == 75
+    for rid, keep in [("k0", 5), ("s0", 4)]:  # blocks of 16 holding the 75 and 64 kept entries
+        copies = due[rid].copies
+        assert [i for i, _, _ in copies] == list(range(keep))  # each one written was a cached, shared block ...
+        assert [old for _, old, _ in copies] == [b.block_id for b in cached[:keep]]
+        mine = s.trim.req_to_blocks[rid]
+        assert all(b.block_hash is None and b.ref_cnt == 1 for b in mine)  # ... and is now its own
+    assert not due["h0"].copies and all(b.block_hash is None for b in s.trim.req_to_blocks["h0"])
+    assert [b.ref_cnt for b in cached] == [2] * 9  # f0 and f1 hold them; the copies' old blocks were let go
+    run_all(s)
+    send("f9", None)
+    assert step(s) == {"f9": 6}  # still cached
+    run_all(s)
     assert free_blocks(s) == 40 and not s.trim.states
 
 

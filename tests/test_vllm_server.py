@@ -169,27 +169,56 @@ def wait_idle(url: str, timeout: float = 60) -> None:
                          f"kv usage={gauge(url, 'vllm:kv_cache_usage_perc')}")
 
 
-def test_prefix_caching_is_vllms_for_full_requests_and_compacting_ones_keep_out(server, prompts):
-    """`kvtrim serve` keeps vLLM's prefix caching on: a `full` request of a prompt already served finds its
-    blocks (vLLM's prefix-cache hits grow by its full blocks; its text is vLLM's, `test_full_is_plain_vllm`); a
-    compacting request (KeyDiff) of the same prompt neither finds nor leaves cached blocks (no hit, before or
-    after the full ones cached it) and answers as it did before anything was cached: with prefix caching on as
-    with it off."""
-    text = ["A prompt of this test alone. " + prompts[6].prompt]  # (its first block cached by no other test)
-    keydiff = {"kvtrim": "keydiff:compression_ratio=0.5"}
+def ask(url: str, prompt: str, spec: str | None = None, salt: str | None = None) -> tuple[str, int]:
+    """One greedy completion of `prompt` (`spec`: its kvtrim method; `salt`: vLLM's `cache_salt`, which keeps its
+    cached blocks apart from other salts'): its text and its prompt's token count."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    extra = ({"vllm_xargs": {"kvtrim": spec}} if spec else {}) | ({"cache_salt": salt} if salt else {})
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=NEW_TOKENS,
+                                  temperature=0, extra_body=extra)
+    return r.choices[0].text, r.usage.prompt_tokens
+
+
+def test_prefix_caching_is_shared_and_compactions_never_write_a_cached_block(server, prompts):
+    """vLLM's prefix caching stays on in `kvtrim serve`. A prompt-end compacting request (KeyDiff) starts from the
+    prompt's cached blocks and caches its own until its compaction, which writes only fresh copies: a `full`
+    request reading what KeyDiff cached answers exactly as one reading what `full` cached (each `cache_salt` its
+    own cache; each answer read from cached blocks, the same way), and a cached prompt that KeyDiff compacted from
+    answers `full` as before. vLLM's prefix-cache hit counter grows by the prompt's full blocks at each hit."""
+    prompt, keydiff = prompts[6].prompt, "keydiff:compression_ratio=0.5"
     hits = lambda: gauge(server.url, "vllm:prefix_cache_hits_total")  # noqa: E731 - (tokens)
-    before = hits()
-    first = complete(server.url, text, keydiff)
-    assert complete(server.url, text, keydiff) == first and hits() == before  # it caches nothing of its own
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
-    n = client.completions.create(model=model, prompt=text[0], max_tokens=NEW_TOKENS).usage.prompt_tokens
-    assert hits() == before
-    complete(server.url, text)
+    _, n = ask(server.url, prompt, salt="full")  # cached by `full`
     cached = (n - 1) // 128 * 128  # vLLM's hit: the full blocks of 128 before the last token
-    assert hits() == before + cached > before
-    assert complete(server.url, text, keydiff) == first and hits() == before + cached  # it reads none either
+    before = hits()
+    full_warm, _ = ask(server.url, prompt, salt="full")
+    keydiff_warm, _ = ask(server.url, prompt, keydiff, salt="full")  # from the cached blocks, written as copies
+    assert hits() == before + 2 * cached
+    assert ask(server.url, prompt, salt="full")[0] == full_warm  # the cache it read is as it was
+    assert ask(server.url, prompt, keydiff, salt="full")[0] == keydiff_warm
+    ask(server.url, prompt, keydiff, salt="keydiff")  # cached by KeyDiff, before its compaction
+    before = hits()
+    assert ask(server.url, prompt, salt="keydiff")[0] == full_warm and hits() == before + cached
     wait_idle(server.url)
+
+
+@pytest.fixture(scope="module")
+def server_f32():
+    s = Server(method="full", extra=["--dtype", "float32"])
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("spec", ["keydiff:compression_ratio=0.5", "lagkv:compression_ratio=0.5",
+                                  "streaming:budget=256", "tova:budget=256", "lazyeviction:budget=256"])
+def test_prefix_caching_on_answers_as_off_float32(server_f32, prompts, spec):
+    """Float32: a request whose prompt is found cached (by an earlier one of the same method and salt) answers
+    exactly as the one that computed it all, which is what it answers with prefix caching off."""
+    prompt = prompts[7].prompt
+    cold, n = ask(server_f32.url, prompt, spec, salt=spec)
+    before = gauge(server_f32.url, "vllm:prefix_cache_hits_total")
+    assert ask(server_f32.url, prompt, spec, salt=spec)[0] == cold
+    assert gauge(server_f32.url, "vllm:prefix_cache_hits_total") == before + (n - 1) // 128 * 128
+    wait_idle(server_f32.url)
 
 
 def test_compacted_blocks_return_to_the_pool(server, prompts):
@@ -333,10 +362,12 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
 def test_preempted_compacted_requests_are_recomputed(server, prompts):
     """A 12-block pool admitting as vLLM does (`--admission vllm`): four compacted requests (KeyDiff at 0.75
     keeps ~225 of ~900 entries, 2 blocks) that each grow by 200 tokens outgrow it, so vLLM preempts; a preempted request is recomputed from its tokens,
-    compacted again, and answers as it does on a pool large enough for all four."""
+    compacted again, and answers as it does on a pool large enough for all four. Prefix caching off: with it, the
+    passkey prompts share their first blocks and each admission reserves the blocks of its copies on write, so the
+    four do not outgrow the pool together."""
     spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
     small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12",
-                                         "--max-model-len", "1280"])
+                                         "--max-model-len", "1280", "--no-enable-prefix-caching"])
     try:
         texts = [s.prompt for s in prompts[:4]]
 

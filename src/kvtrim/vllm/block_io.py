@@ -44,6 +44,13 @@ def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], blo
 
 
 
+def copy_blocks(kv_caches: list[torch.Tensor], sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy blocks `sources[i]` into blocks `targets[i]` `(m,)` in every layer's cache (whole blocks: the same
+    in any layout, whose caches are `(num_blocks, ...)` views): a copy on write before a compaction writes them."""
+    for kv in kv_caches:
+        kv.index_copy_(0, targets, kv.index_select(0, sources))
+
+
 def read_stored(layout: BlockLayout, method: EvictionMethod, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                 n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's first `n` stored keys and values `(h, n, d)` in slot order; keys and None for a method that reads

@@ -28,20 +28,26 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
   cleanup path, runs from vLLM's own `free` / `pop_blocks_for_free`;
 * failures: whatever a method raises while this manager plans or admits its request ends that request only:
   the request is named in `failed` (one line), never admitted again, and the scheduler ends it with an error;
-* prefix caching (vLLM's, on by default): `full` requests share cached blocks as in vLLM; a request whose method
-  compacts neither finds cached blocks nor caches its own (`start`, `cache_blocks`): a compaction never writes
-  a block another request holds or the cache indexes, and no block computed after an eviction is found under
-  its tokens' hash.
+* prefix caching (vLLM's, on by default): `full` requests share cached blocks as in vLLM. A request whose method
+  compacts nothing before its prompt ends (`spec.reads_prefix_cache`) shares them too (`TrimRequest.shares`): it
+  starts from the cached blocks of its prompt and caches its own blocks until its first compaction is planned
+  (`private`; blocks computed after an eviction are never cached). That compaction writes the request's first
+  blocks: each of them that another request holds or the cache indexes is replaced by a fresh block (taken from
+  the `spare` blocks reserved when it was admitted) which the worker fills with the old one's contents before it
+  compacts (`Due.copies`, copy on write); the old blocks are let go once the compaction ran (`compacted`), and
+  stay in the cache. Any other compacting request keeps out of the cache (it finds and caches nothing), as does
+  one whose prompt and spare blocks would not fit the pool.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtrim.methods.base import EvictionMethod, one_line
+from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
                                   request_peak, slots_held)
+from kvtrim.vllm.spec import reads_prefix_cache
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -73,10 +79,23 @@ class TrimRequest:
     reserved: int | None = None
     #: the compaction planned after the step being run
     due: Due | None = None
+    #: it shares vLLM's prefix cache (module docstring); then the fresh blocks its first compaction may need
+    shares: bool = False
+    spares_needed: int = 0
+    #: its first compaction is planned: it caches nothing more, and every block it holds is its own
+    private: bool = False
+    #: fresh blocks held for the copies of its first compaction, from its admission until then
+    spare: list = field(default_factory=list)
+    #: the shared or cached blocks the planned compaction replaced (let go once it ran)
+    replaced: list = field(default_factory=list)
 
-    def restart(self) -> None:
-        """Preempted: recomputed later from its tokens, its counts start over."""
+    def restart(self) -> list:
+        """Preempted: recomputed later from its tokens, its counts start over. Returns the blocks it held beside
+        its block table (spare, replaced), for vLLM to free with it."""
+        held, self.spare, self.replaced = self.spare + self.replaced, [], []
         self.counts, self.discarded, self.admitted, self.reserved, self.due = None, 0, False, None, None
+        self.private = False
+        return held
 
 
 class TrimAttentionManager(FullAttentionManager):
@@ -100,18 +119,40 @@ class TrimAttentionManager(FullAttentionManager):
     # -- the life of a request ------------------------------------------------------------------------------
 
     def start(self, request, method: EvictionMethod | None) -> None:
-        """A new request, under `method` (None: `full`). One whose method compacts keeps out of the prefix cache:
-        it finds no cached blocks (vLLM's per-request `skip_reading_prefix_cache`, as for a request that wants its
-        prompt's logprobs) and caches none of its own (`cache_blocks`), so every block it compacts is its own."""
-        self.states[request.request_id] = TrimRequest(request, method)
-        if method is not None:
+        """A new request, under `method` (None: `full`). A compacting one that does not share the prefix cache
+        (module docstring) finds no cached blocks (vLLM's per-request `skip_reading_prefix_cache`, as for a request
+        that wants its prompt's logprobs) and caches none of its own (`cache_blocks`)."""
+        state = self.states[request.request_id] = TrimRequest(request, method)
+        if method is None:
+            return
+        if self.enable_caching and reads_prefix_cache(method):
+            try:
+                spares = self._spares_needed(state)
+            except Exception:  # noqa: BLE001 - (its admission works its peak out again, and fails it alone)
+                spares = None
+            pool = self.block_pool.num_gpu_blocks - 1
+            if spares is not None and blocks_needed(request.num_prompt_tokens, self.block_size) + spares <= pool:
+                state.shares, state.spares_needed = True, spares
+        if not state.shares:
             request.skip_reading_prefix_cache = True
 
+    def _spares_needed(self, state: TrimRequest) -> int | None:
+        """The fresh blocks a sharing request's first compaction may write: those of the most slots it keeps
+        after any compaction (after its prompt for a prompt-end method), or None when its method bounds nothing."""
+        method, prompt = state.method, state.request.num_prompt_tokens
+        total = self._total(state)
+        self._peak(state)  # (whether it grows)
+        kept = method.peak_stored(prompt, prompt if state.grows else total)
+        if kept is None:
+            return None
+        return 0 if kept >= total else blocks_needed(kept + 1, self.block_size)  # (+1: a decode step's hole)
+
     def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
-        # vLLM indexes a request's full blocks by the hash of their tokens as they are scheduled; a compacting
-        # request's blocks stop holding those tokens in order (and later ones are computed after an eviction)
+        # vLLM indexes a request's full blocks by the hash of their tokens as they are scheduled: a compacting
+        # request's only until its first compaction (its blocks stop holding those tokens in order, and later
+        # ones are computed after an eviction)
         state = self.states.get(request.request_id)
-        if state is not None and state.method is not None:
+        if state is not None and state.method is not None and (state.private or not state.shares):
             return
         super().cache_blocks(request, num_tokens, *args, **kwargs)
 
@@ -131,7 +172,34 @@ class TrimAttentionManager(FullAttentionManager):
             return None
         state.counts, state.due = plan_forward(state.counts, state.method, computed, end,
                                                state.request.num_prompt_tokens)
+        if state.due is not None and state.shares and not state.private:
+            state.private = True  # its first compaction
+            state.due = self._copy_on_write(request_id, state, state.due)
         return state.due
+
+    def _copy_on_write(self, request_id: str, state: TrimRequest, due: Due) -> Due:
+        """Replace each block the compaction at `due` writes (the first `slots_held` slots) that another request
+        holds or the prefix cache indexes by a fresh one (a spare, else a free block of the pool); `due` with the
+        copies the worker makes first. The spares left go back to the pool."""
+        blocks = self.req_to_blocks[request_id]
+        copies = []
+        for i in range(min(len(blocks), blocks_needed(slots_held(due), self.block_size))):
+            old = blocks[i]
+            if old.block_hash is None and old.ref_cnt == 1:
+                continue
+            if state.spare:
+                new = state.spare.pop()
+            elif self.block_pool.get_num_free_blocks() > 0:
+                new = self.block_pool.get_new_blocks(1)[0]
+            else:
+                raise KvtrimError("no free KV block to copy its shared prompt blocks into before its compaction")
+            blocks[i] = new
+            state.replaced.append(old)
+            copies.append((i, old.block_id, new.block_id))
+        if state.spare:
+            self.block_pool.free_blocks(state.spare)
+            state.spare = []
+        return replace(due, copies=tuple(copies))
 
     def compacted(self, request_id: str) -> int:
         """The step's planned compaction of request `request_id` ran: it has discarded the plan's count and
@@ -141,6 +209,9 @@ class TrimAttentionManager(FullAttentionManager):
         if due is None:
             return 0
         state.due, state.discarded = None, due.discarded
+        if state.replaced:  # copied: the old blocks go back (those in the prefix cache stay findable there)
+            self.block_pool.free_blocks(reversed(state.replaced))
+            state.replaced = []
         blocks = self.req_to_blocks.get(request_id)
         keep = blocks_needed(slots_held(due), self.block_size)
         if not blocks or len(blocks) <= keep:
@@ -153,18 +224,19 @@ class TrimAttentionManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         # vLLM's `free` comes here too: the one place a request's state ends (finished, aborted) or starts over
-        self._release(request_id)
-        return super().pop_blocks_for_free(request_id)
+        held = self._release(request_id)
+        return super().pop_blocks_for_free(request_id) + held
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str) -> list:
+        """The request ends or starts over; returns the blocks it held beside its block table."""
         state = self.states.get(request_id)
         if state is None:
-            return
+            return []
+        held = state.restart()
         if state.request.is_finished():
             del self.states[request_id]
             self.failed.pop(request_id, None)
-        else:  # preempted: vLLM recomputes it from its tokens
-            state.restart()
+        return held  # (preempted: vLLM recomputes it from its tokens)
 
     # -- blocks ---------------------------------------------------------------------------------------------
 
@@ -183,12 +255,13 @@ class TrimAttentionManager(FullAttentionManager):
             if why is not None:  # admitted, it would take the pool and be preempted, again and again
                 self.fail(request_id, why)
                 return _NEVER
+            spares = state.spares_needed if state.shares and not state.private else 0  # (taken when admitted)
             if apply_admission_cap:  # vLLM's full-sequence gate
                 if prompt_block(state.method) is not None:  # it never holds its whole prompt: its peak admits it
                     return 0
                 return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
-                                                          **kwargs)
-            blocks = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
+                                                          **kwargs) + spares
+            blocks = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs) + spares
             if self.admission != "peak":
                 return blocks
             # the free pool must hold what admitted requests may still take, and this one's peak if it reserves it
@@ -204,6 +277,8 @@ class TrimAttentionManager(FullAttentionManager):
         if not state.admitted:
             state.admitted = True
             state.reserved = state.peak if self.admission == "peak" and not state.grows else None
+            if state.shares and not state.private:  # for the copies of its first compaction (`_copy_on_write`)
+                state.spare = self.block_pool.get_new_blocks(state.spares_needed)
         gone = state.discarded
         return super().allocate_new_blocks(request_id, num_tokens - gone, num_tokens_main_model - gone)
 

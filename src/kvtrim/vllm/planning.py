@@ -57,11 +57,15 @@ class Step(NamedTuple):
 @dataclass(frozen=True)
 class Due:
     """A forward after which a request is compacted: its `steps` (`forward_steps`), the request's token
-    count `end` after it, and the entries it must have `discarded` by then (the scheduler's count)."""
+    count `end` after it, and the entries it must have `discarded` by then (the scheduler's count). `copies`:
+    `(index, old block id, new block id)` of the blocks of its block table that its manager replaced by fresh
+    ones before this compaction writes them (the old one shared or in the prefix cache): the worker copies each
+    old block into the new one after the forward, then compacts."""
 
     steps: list[Step]
     end: int
     discarded: int
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

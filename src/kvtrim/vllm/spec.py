@@ -84,6 +84,13 @@ def prompt_sums(method: EvictionMethod | None) -> bool:
     return method is not None and method.prompt_attention_summary == "sums"
 
 
+def reads_prefix_cache(method: EvictionMethod) -> bool:
+    """True for a method whose requests may start from cached prompt blocks (vLLM's prefix cache): it compacts
+    nothing before its prompt ends (no prefill block), reads no prompt attention sums, and at most its prompt's
+    last query (always computed: vLLM recomputes a prompt's last token whatever it finds cached)."""
+    return method.prefill_block_size() is None and not prompt_sums(method) and prompt_queries(method) <= 1
+
+
 def prompt_queries(method: EvictionMethod) -> int:
     """How many of a prompt (block)'s last queries the engine hands `method` at its end: `prompt_queries()`
     (SnapKV's window, TOVA's last); none for a method given its prompt's sums (`prompt_sums`)."""

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
-from kvtrim.vllm.block_io import add_prompt_sums
+from kvtrim.vllm.block_io import add_prompt_sums, copy_blocks
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.entries import RequestEntries
 from kvtrim.vllm.planning import (FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, blocks_needed, prompt_block,
@@ -197,6 +197,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_sum_rows = {}
         self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._kvtrim_forget(req_id)  # recomputed later (from cached blocks, maybe: not always from token 0)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
@@ -337,6 +339,8 @@ class TrimModelRunner(CPUModelRunner):
         steps, expected = plan.steps, plan.discarded
         req, state = self.kvtrim_request(req_id), self.requests[req_id]
         method, entries, before = req.method, req.entries, req.discarded
+        if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
+            self._copy_on_write(req_id, plan.copies)
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
@@ -388,6 +392,18 @@ class TrimModelRunner(CPUModelRunner):
         (logger.info if steps[0].phase is Phase.PREFILL else logger.debug)(
             "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,
             type(method).__name__, 1000 * seconds)
+
+    def _copy_on_write(self, req_id: str, copies) -> None:
+        """Copy each `(index, old, new)` of `copies` (`Due.copies`: the scheduler's manager replaced block `old` of
+        request `req_id` by `new`) in every layer, and put `new` at `index` of the request's block table."""
+        index, old, new = (list(c) for c in zip(*copies))
+        copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
+        ids = self.requests[req_id].block_ids[0]
+        table = self.input_batch.block_table[0]
+        row = self.input_batch.req_id_to_index[req_id]
+        for i, block in zip(index, new):
+            ids[i] = block
+            table.block_table.np[row, i] = block
 
     def _drop_tail_blocks(self, req_id: str, slots: int) -> None:
         """The request's block ids past the `slots` it keeps (`slots_held`) leave its block table (the scheduler
