@@ -24,7 +24,7 @@ from kvtrim.models import resolve_model_dir  # noqa: E402
 from kvtrim.specs import parse_method_spec  # noqa: E402
 from kvtrim.vllm.kv_spec import trim_spec  # noqa: E402
 from kvtrim.vllm.manager import TrimAttentionManager  # noqa: E402
-from kvtrim.vllm.planning import PLAN_ATTR, block_end  # noqa: E402
+from kvtrim.vllm.planning import PLAN_ATTR, Step, block_end  # noqa: E402
 from kvtrim.vllm.scheduler import TrimScheduler  # noqa: E402
 
 BLOCK = 16
@@ -412,6 +412,45 @@ def test_with_prefix_caching_requests_share_blocks_and_compactions_write_only_th
     assert step(s) == {"f9": 6}  # still cached
     run_all(s)
     assert free_blocks(s) == 40 and not s.trim.states
+
+
+def test_a_context_is_the_methods_prompt_and_no_forward_crosses_it():
+    """`kvtrim_context=100` on a 150-token prompt under KeyDiff at 0.5, forwards of at most 64 tokens: no forward
+    crosses token 100; the compaction after the one that ends there tells the method a prompt of 100 tokens (it
+    keeps 50); the 50 tokens after it are read as an append (no compaction), then decoded; the request holds the
+    blocks of what it stores."""
+    s = make_scheduler(40, batched=64)
+    params = SamplingParams(max_tokens=5, ignore_eos=True,
+                            extra_args={"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 100})
+    s.add_request(Request("r0", list(range(100, 250)), params, None))
+    ends, plans = [], []
+    while "r0" in s.requests:
+        computed = s.requests["r0"].num_computed_tokens
+        scheduled, due = step(s, plans=True)
+        ends.append(computed + scheduled["r0"])
+        plans += [due["r0"]] if "r0" in due else []
+        stored = ends[-1] - (50 if ends[-1] >= 100 else 0)
+        assert "r0" not in s.requests or held(s, "r0") == -(-stored // BLOCK)
+    assert ends == [64, 100, 150, 151, 152, 153, 154]
+    assert len(plans) == 1 and plans[0].steps == [Step(Phase.PREFILL, True, 100)] and plans[0].discarded == 50
+    assert free_blocks(s) == 40
+
+
+@pytest.mark.parametrize("xargs, why", [
+    ({"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 200}, "kvtrim_context=200 is past the prompt's end"),
+    ({"kvtrim_context": 50}, "kvtrim_context=50 needs a method that compresses (this request's is full)"),
+    ({"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 150}, None),
+])
+def test_the_front_end_and_the_manager_refuse_a_context_alike(xargs, why):
+    from kvtrim.vllm.platform import unfit_request
+
+    s = make_scheduler(40)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, extra_args=xargs)
+    got = unfit_request(s.vllm_config, 150, params)
+    assert (got is None) == (why is None) and (why is None or got.startswith(why))
+    s.add_request(Request("r0", list(range(100, 250)), params, None))
+    s.schedule()
+    assert s.trim.failed.get("r0") == got
 
 
 def test_the_kv_cache_spec_asks_vllm_for_the_methods_peak():

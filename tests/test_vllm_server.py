@@ -221,6 +221,49 @@ def test_prefix_caching_on_answers_as_off_float32(server_f32, prompts, spec):
     wait_idle(server_f32.url)
 
 
+#: `kvtrim.compress` then `generate` in transformers, float32 (tests/data/context_reference/make.py)
+CONTEXT_ANSWERS = os.path.join(os.path.dirname(__file__), "data", "context_reference", "answers.json")
+
+
+@pytest.mark.parametrize("spec", ["keydiff:compression_ratio=0.5", "snapkv:compression_ratio=0.5",
+                                  "lagkv:compression_ratio=0.5", "tova:budget=256", "h2o:budget=256"])
+def test_a_context_compressed_on_its_own_answers_as_kvtrim_compress(server_f32, spec):
+    """`vllm_xargs: {"kvtrim": SPEC, "kvtrim_context": N}`: the method is told the prompt's first N tokens as its
+    prompt (compressed query-agnostically: SnapKV on the context's own last window, H2O on its own attention), the
+    rest of the prompt (the question) is read after it: float32, the greedy tokens are those of
+    `kvtrim.compress(model, context, method)` then `ctx.generate(question)` in transformers, token for token."""
+    import json
+
+    with open(CONTEXT_ANSWERS) as f:
+        ref = json.load(f)
+    client = openai.OpenAI(base_url=server_f32.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    for case in ref["answers"][spec]:
+        ids = case["prompt_ids"]
+        context = len(ids) - ref["question_tokens"]
+        r = client.completions.create(model=model, prompt=ids, max_tokens=ref["new_tokens"], temperature=0,
+                                      extra_body={"vllm_xargs": {"kvtrim": spec, "kvtrim_context": context},
+                                                  "return_token_ids": True})
+        assert r.choices[0].text == case["answer"], (r.choices[0].text, case["answer"])
+        assert f" of {context} entries after its prompt (" in server_f32.tail(100000)  # compressed at the context
+    wait_idle(server_f32.url)
+
+
+@pytest.mark.parametrize("xargs, words", [
+    ({"kvtrim_context": "12"}, "kvtrim_context must be the number of leading prompt tokens"),
+    ({"kvtrim_context": 0}, "kvtrim_context must be the number of leading prompt tokens"),
+    ({"kvtrim_context": 1.5}, "kvtrim_context must be the number of leading prompt tokens"),
+    ({"kvtrim_context": 4}, "kvtrim_context=4 needs a method that compresses (this request's is full)"),
+    ({"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 50}, "kvtrim_context=50 is past the prompt's end"),
+])
+def test_a_bad_context_is_400_in_one_line(server, xargs, words):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
+                                  max_tokens=4, extra_body={"vllm_xargs": xargs})
+    assert words in err.value.message and "\n" not in err.value.message
+
+
 def test_compacted_blocks_return_to_the_pool(server, prompts):
     """Each ~900-token prompt holds 8 blocks of 128 while it is computed; LagKV at 0.75 keeps about a quarter
     of it (2 blocks): the scheduler gets the rest back after the compacting step, and the pool is empty after."""

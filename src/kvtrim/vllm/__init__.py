@@ -32,5 +32,8 @@ ADMISSION_KEY = "kvtrim_admission"
 ADMISSIONS = ("peak", "vllm")
 #: the per-request method: `extra_body={"vllm_xargs": {"kvtrim": SPEC}}` (SamplingParams.extra_args)
 REQUEST_KEY = "kvtrim"
+#: a context to compress on its own: `vllm_xargs={"kvtrim_context": N}`, the number of leading prompt tokens the
+#: method is told as the prompt (compressed query-agnostically, as `kvtrim.compress`); the rest is read after it
+CONTEXT_KEY = "kvtrim_context"
 #: set to "1" in the environment of `kvtrim serve`'s server only: kvtrim's platform plugin activates there
 SERVE_ENV = "KVTRIM_SERVE"

@@ -47,7 +47,7 @@ from typing import Any
 from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
                                   request_peak, slots_held)
-from kvtrim.vllm.spec import reads_prefix_cache
+from kvtrim.vllm.spec import context_refusal, reads_prefix_cache, request_context
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -64,6 +64,8 @@ class TrimRequest:
 
     request: Any  #: vLLM's `Request`
     method: EvictionMethod | None  #: None: `full`
+    #: the tokens its method is told as its prompt: its context (`kvtrim_context`) when it names one, else its prompt
+    prompt_tokens: int = 0
     #: its stored counts, from its first forward on (again after a preemption)
     counts: StoredCounts | None = None
     #: entries discarded by the compactions that ran (what it stores = tokens computed - discarded)
@@ -122,10 +124,20 @@ class TrimAttentionManager(FullAttentionManager):
         """A new request, under `method` (None: `full`). A compacting one that does not share the prefix cache
         (module docstring) finds no cached blocks (vLLM's per-request `skip_reading_prefix_cache`, as for a request
         that wants its prompt's logprobs) and caches none of its own (`cache_blocks`)."""
-        state = self.states[request.request_id] = TrimRequest(request, method)
+        state = self.states[request.request_id] = TrimRequest(request, method, request.num_prompt_tokens)
+        try:
+            context = request_context(request.sampling_params)
+            why = None if context is None else context_refusal(method, context, request.num_prompt_tokens)
+        except Exception as err:  # noqa: BLE001 - (the front end refuses bad values: a last guard)
+            context, why = None, one_line(err)
+        if why is not None:
+            self.fail(request.request_id, why)
+        elif context is not None:
+            state.prompt_tokens = context
         if method is None:
             return
-        if self.enable_caching and reads_prefix_cache(method):
+        if self.enable_caching and reads_prefix_cache(method) and context is None:  # (a cached hit past the context
+            # would skip its compaction)
             try:
                 spares = self._spares_needed(state)
             except Exception:  # noqa: BLE001 - (its admission works its peak out again, and fails it alone)
@@ -139,7 +151,7 @@ class TrimAttentionManager(FullAttentionManager):
     def _spares_needed(self, state: TrimRequest) -> int | None:
         """The fresh blocks a sharing request's first compaction may write: those of the most slots it keeps
         after any compaction (after its prompt for a prompt-end method), or None when its method bounds nothing."""
-        method, prompt = state.method, state.request.num_prompt_tokens
+        method, prompt = state.method, state.prompt_tokens
         total = self._total(state)
         self._peak(state)  # (whether it grows)
         kept = method.peak_stored(prompt, prompt if state.grows else total)
@@ -170,8 +182,7 @@ class TrimAttentionManager(FullAttentionManager):
         state = self.states.get(request_id)
         if state is None or state.method is None or request_id in self.failed:
             return None
-        state.counts, state.due = plan_forward(state.counts, state.method, computed, end,
-                                               state.request.num_prompt_tokens)
+        state.counts, state.due = plan_forward(state.counts, state.method, computed, end, state.prompt_tokens)
         if state.due is not None and state.shares and not state.private:
             state.private = True  # its first compaction
             state.due = self._copy_on_write(request_id, state, state.due)
@@ -296,7 +307,7 @@ class TrimAttentionManager(FullAttentionManager):
         """The blocks the request holds at most (`request_peak`; None: its method does not bound it), worked out
         once."""
         if not state.peak_known:
-            state.peak, state.grows = request_peak(state.method, state.request.num_prompt_tokens, self._total(state),
+            state.peak, state.grows = request_peak(state.method, state.prompt_tokens, self._total(state),
                                                    self.block_size)
             state.peak_known = True
         return state.peak

@@ -20,24 +20,30 @@ from vllm.platforms.cpu import CpuPlatform
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm.config import server_method
 from kvtrim.vllm.planning import never_fits, request_peak
-from kvtrim.vllm.spec import request_method
+from kvtrim.vllm.spec import context_refusal, request_context, request_method
 
 
 def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
-    """Why a request of `prompt_tokens` with `params` (`SamplingParams`) can never run in the server of `vllm_config` (one line),
+    """Why a request of `prompt_tokens` with `params` (`SamplingParams`) can never run in the server of
+    `vllm_config` (one line): its context cannot be compressed (`context_refusal`), or it can never fit the pool;
     or None (also when the pool's size is not known yet, or the request is one vLLM refuses itself)."""
     pool = vllm_config.cache_config.num_gpu_blocks  # set by vLLM's engine client once the engine has started
     max_len = vllm_config.model_config.max_model_len
-    if not pool or prompt_tokens >= max_len:  # (vLLM's own check refuses a prompt past max_model_len)
+    if prompt_tokens >= max_len:  # (vLLM's own check refuses a prompt past max_model_len)
         return None
     try:
         method = request_method(params, server_method(vllm_config))
-    except KvtrimError:  # a bad spec: `MethodSpecCheck` refused it already
+        context = request_context(params)
+    except KvtrimError:  # a bad spec or context: `MethodSpecCheck` refused it already
+        return None
+    if context is not None and (why := context_refusal(method, context, prompt_tokens)) is not None:
+        return why
+    if not pool:
         return None
     max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_tokens
     total = min(prompt_tokens + max_tokens, max_len)
     block_size = vllm_config.cache_config.block_size
-    peak, _ = request_peak(method, prompt_tokens, total, block_size)
+    peak, _ = request_peak(method, context or prompt_tokens, total, block_size)
     return never_fits(method, prompt_tokens, max_tokens, total, peak, block_size, pool - 1)  # one null block
 
 

@@ -97,7 +97,10 @@ class TrimScheduler(Scheduler):
         if n > 1 and state is not None:
             block = prompt_block(state.method)
             if block is not None:
-                n = min(n, block_end(num_computed_tokens, request.num_prompt_tokens, block) - num_computed_tokens)
+                n = min(n, block_end(num_computed_tokens, state.prompt_tokens, block) - num_computed_tokens)
+            elif num_computed_tokens < state.prompt_tokens < request.num_prompt_tokens:
+                # a context: its forward ends with it (what is read after it attends to it compressed)
+                n = min(n, state.prompt_tokens - num_computed_tokens)
         return n
 
     def schedule(self, *args, **kwargs):

@@ -47,7 +47,7 @@ from functools import cache, lru_cache
 from kvtrim.methods import FullCache, load_entry_points
 from kvtrim.methods.base import EvictionMethod, KvtrimError, ScoringMethod
 from kvtrim.specs import parse_method_spec
-from kvtrim.vllm import REQUEST_KEY
+from kvtrim.vllm import CONTEXT_KEY, REQUEST_KEY
 
 
 def refusal(method: EvictionMethod) -> str | None:
@@ -120,6 +120,30 @@ def request_method(params, default: str) -> EvictionMethod | None:
     `extra_args`) or the server's `default` (one-line `KvtrimError` for a bad one)."""
     extra = getattr(params, "extra_args", None) or {}
     return method_for_vllm(extra.get(REQUEST_KEY, default))
+
+
+def request_context(params) -> int | None:
+    """The request's context length (`vllm_xargs={"kvtrim_context": N}`: its first N prompt tokens are the prompt
+    its method compresses, on their own), or None; a one-line `KvtrimError` for a value that is not an integer
+    of at least 1."""
+    extra = getattr(params, "extra_args", None) or {}
+    if CONTEXT_KEY not in extra:
+        return None
+    n = extra[CONTEXT_KEY]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KvtrimError(f"{CONTEXT_KEY} must be the number of leading prompt tokens to compress as a context, an "
+                          f"integer >= 1, got {n!r}")
+    return n
+
+
+def context_refusal(method: EvictionMethod | None, context: int, prompt_tokens: int) -> str | None:
+    """Why a request of `prompt_tokens` cannot compress its first `context` tokens on their own under `method`
+    (one line), or None."""
+    if method is None:
+        return f"{CONTEXT_KEY}={context} needs a method that compresses (this request's is full)"
+    if context > prompt_tokens:
+        return f"{CONTEXT_KEY}={context} is past the prompt's end ({prompt_tokens} tokens)"
+    return None
 
 
 @cache

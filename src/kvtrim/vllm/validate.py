@@ -1,4 +1,5 @@
-"""`--logits-processors kvtrim.vllm.validate:MethodSpecCheck`: a bad per-request method is an HTTP 400.
+"""`--logits-processors kvtrim.vllm.validate:MethodSpecCheck`: a bad per-request method (or `kvtrim_context`
+value) is an HTTP 400.
 
 vLLM calls each custom logits processor's `validate_params` in the frontend when a request is admitted
 (`InputProcessor`), before it reaches the engine, and turns a `ValueError` into a 400 with its message.
@@ -11,17 +12,17 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm import REQUEST_KEY
-from kvtrim.vllm.spec import method_for_vllm
+from kvtrim.vllm.spec import method_for_vllm, request_context
 
 
 class MethodSpecCheck(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params):
         extra = sampling_params.extra_args or {}
-        if REQUEST_KEY not in extra:
-            return
         try:
-            method_for_vllm(extra[REQUEST_KEY])
+            request_context(sampling_params)
+            if REQUEST_KEY in extra:
+                method_for_vllm(extra[REQUEST_KEY])
         except KvtrimError as err:
             raise ValueError(f"kvtrim: {err}") from None
 

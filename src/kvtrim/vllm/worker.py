@@ -58,7 +58,7 @@ from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import layout as cpu_vec
 from kvtrim.vllm.block_layout import CPU_BACKEND, block_layout
-from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums, request_method
+from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums, request_context, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
 
 
@@ -84,6 +84,8 @@ class WorkerRequest:
 
     #: its method (None: `full`)
     method: EvictionMethod | None
+    #: the tokens its method is told as its prompt: its context (`kvtrim_context`) when it names one, else its prompt
+    prompt_tokens: int = 0
     #: what its stored entries are (positions per slot, the method's per-layer state)
     entries: RequestEntries = field(default_factory=RequestEntries)
     #: entries discarded by compaction (what it stores = its tokens - discarded), as the scheduler's plans say
@@ -165,8 +167,13 @@ class TrimModelRunner(CPUModelRunner):
         """Request `req_id`'s state (started at its first forward, with its method)."""
         req = self.kvtrim_requests.get(req_id)
         if req is None:
-            method = request_method(self.requests[req_id].sampling_params, self.kvtrim_default)
-            req = self.kvtrim_requests[req_id] = WorkerRequest(method)
+            state = self.requests[req_id]
+            method = request_method(state.sampling_params, self.kvtrim_default)
+            try:
+                context = request_context(state.sampling_params)
+            except KvtrimError:  # (refused by the front end; the scheduler ends it)
+                context = None
+            req = self.kvtrim_requests[req_id] = WorkerRequest(method, context or state.num_prompt_tokens)
         return req
 
     def kvtrim_method(self, req_id: str) -> EvictionMethod | None:
@@ -204,7 +211,7 @@ class TrimModelRunner(CPUModelRunner):
                 self._kvtrim_forget(req_id)
             req = self.kvtrim_request(req_id)
             discarded[i] = req.discarded
-            prompt = self.requests[req_id].num_prompt_tokens
+            prompt = req.prompt_tokens
             if computed[i] < prompt and num_scheduled_tokens[i]:  # a prompt forward: does it copy queries?
                 self._kvtrim_plan_queries(req_id, i, int(computed[i]), int(num_scheduled_tokens[i]), prompt)
             if req.entries.hole is not None and num_scheduled_tokens[i]:
@@ -327,7 +334,7 @@ class TrimModelRunner(CPUModelRunner):
         sums = req.prompt_sums
         if sums is None:
             h = self.kv_caches[0].shape[1]
-            sums = req.prompt_sums = [torch.zeros(h, state.num_prompt_tokens) for _ in self.kv_caches]
+            sums = req.prompt_sums = [torch.zeros(h, req.prompt_tokens) for _ in self.kv_caches]
         add_prompt_sums(sums, self.kv_caches, torch.tensor(state.block_ids[0], dtype=torch.long),
                         [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block,
                         self._kvtrim_layout)
@@ -364,7 +371,7 @@ class TrimModelRunner(CPUModelRunner):
                 if last is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
-            gone = compact(self.kv_caches, block_ids, method, entries, steps, end, state.num_prompt_tokens,
+            gone = compact(self.kv_caches, block_ids, method, entries, steps, end, req.prompt_tokens,
                            queries, self.kvtrim_scales, last, sums, self._kvtrim_layout, step_logits)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
