@@ -436,6 +436,32 @@ def test_a_context_is_the_methods_prompt_and_no_forward_crosses_it():
     assert free_blocks(s) == 40
 
 
+def test_a_context_request_shares_the_cache_only_inside_its_context():
+    """Prefix caching on, a 150-token prompt cached by a `full` request: a request naming `kvtrim_context=100`
+    (KeyDiff at 0.5) finds the cached blocks inside its context only (96 tokens: 6 blocks of 16), computes the
+    rest of the context, is compacted at its end as a request that computed it all (a prompt of 100, 50 kept),
+    writing fresh copies of the shared blocks."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    s = make_scheduler(40, prefix_caching=True)
+    prompt = list(range(100, 250))
+    s.add_request(Request("f0", prompt, SamplingParams(max_tokens=5, ignore_eos=True), None, block_hasher=hasher))
+    step(s)
+    params = SamplingParams(max_tokens=5, ignore_eos=True,
+                            extra_args={"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 100})
+    s.add_request(Request("c0", prompt, params, None, block_hasher=hasher))
+    scheduled, due = step(s, plans=True)
+    assert scheduled["c0"] == 100 - 96
+    assert due["c0"].steps == [Step(Phase.PREFILL, True, 100)] and due["c0"].discarded == 50
+    assert [i for i, _, _ in due["c0"].copies] == [0, 1, 2, 3]  # the blocks of the 50 kept: cached, shared
+    assert all(b.block_hash is None and b.ref_cnt == 1 for b in s.trim.req_to_blocks["c0"])
+    run_all(s)
+    assert free_blocks(s) == 40
+
+
 @pytest.mark.parametrize("xargs, why", [
     ({"kvtrim": "keydiff:compression_ratio=0.5", "kvtrim_context": 200}, "kvtrim_context=200 is past the prompt's end"),
     ({"kvtrim_context": 50}, "kvtrim_context=50 needs a method that compresses (this request's is full)"),

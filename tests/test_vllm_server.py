@@ -231,21 +231,28 @@ def test_a_context_compressed_on_its_own_answers_as_kvtrim_compress(server_f32, 
     """`vllm_xargs: {"kvtrim": SPEC, "kvtrim_context": N}`: the method is told the prompt's first N tokens as its
     prompt (compressed query-agnostically: SnapKV on the context's own last window, H2O on its own attention), the
     rest of the prompt (the question) is read after it: float32, the greedy tokens are those of
-    `kvtrim.compress(model, context, method)` then `ctx.generate(question)` in transformers, token for token."""
+    `kvtrim.compress(model, context, method)` then `ctx.generate(question)` in transformers, token for token,
+    also when the context's blocks are found cached (by the same request sent before): only the blocks inside
+    the context are found, so that its compaction runs."""
     import json
 
     with open(CONTEXT_ANSWERS) as f:
         ref = json.load(f)
     client = openai.OpenAI(base_url=server_f32.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    for case in ref["answers"][spec]:
+    for k, case in enumerate(ref["answers"][spec]):
         ids = case["prompt_ids"]
         context = len(ids) - ref["question_tokens"]
-        r = client.completions.create(model=model, prompt=ids, max_tokens=ref["new_tokens"], temperature=0,
-                                      extra_body={"vllm_xargs": {"kvtrim": spec, "kvtrim_context": context},
-                                                  "return_token_ids": True})
-        assert r.choices[0].text == case["answer"], (r.choices[0].text, case["answer"])
-        assert f" of {context} entries after its prompt (" in server_f32.tail(100000)  # compressed at the context
+        for salt in ("cold", "warm"):  # the same salt twice: the second finds the context's blocks cached
+            before = gauge(server_f32.url, "vllm:prefix_cache_hits_total")
+            r = client.completions.create(model=model, prompt=ids, max_tokens=ref["new_tokens"], temperature=0,
+                                          extra_body={"vllm_xargs": {"kvtrim": spec, "kvtrim_context": context},
+                                                      "cache_salt": f"context {spec} {k}"})
+            assert r.choices[0].text == case["answer"], (salt, r.choices[0].text, case["answer"])
+            assert f" of {context} entries after its prompt (" in server_f32.tail(100000)  # compressed at the context
+            found = gauge(server_f32.url, "vllm:prefix_cache_hits_total") - before
+            shares = "h2o" not in spec and "snapkv" not in spec  # (they need more of the prompt's attention)
+            assert found == ((context - 1) // 128 * 128 if salt == "warm" and shares else 0), (salt, found)
     wait_idle(server_f32.url)
 
 

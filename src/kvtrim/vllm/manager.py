@@ -35,8 +35,11 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
   blocks: each of them that another request holds or the cache indexes is replaced by a fresh block (taken from
   the `spare` blocks reserved when it was admitted) which the worker fills with the old one's contents before it
   compacts (`Due.copies`, copy on write); the old blocks are let go once the compaction ran (`compacted`), and
-  stay in the cache. Any other compacting request keeps out of the cache (it finds and caches nothing), as does
-  one whose prompt and spare blocks would not fit the pool.
+  stay in the cache. A request with a context (`kvtrim_context`) shares it too, its hits kept inside the context
+  (its block hashes past the context's last full block are dropped until vLLM extends them after its prompt), so
+  that the context's compaction runs: a document is computed once for all its questions, and compressed for
+  each. Any other compacting request keeps out of the cache (it finds and caches nothing), as does one whose
+  prompt and spare blocks would not fit the pool.
 """
 
 from __future__ import annotations
@@ -136,8 +139,7 @@ class TrimAttentionManager(FullAttentionManager):
             state.prompt_tokens = context
         if method is None:
             return
-        if self.enable_caching and reads_prefix_cache(method) and context is None:  # (a cached hit past the context
-            # would skip its compaction)
+        if self.enable_caching and reads_prefix_cache(method):
             try:
                 spares = self._spares_needed(state)
             except Exception:  # noqa: BLE001 - (its admission works its peak out again, and fails it alone)
@@ -145,6 +147,8 @@ class TrimAttentionManager(FullAttentionManager):
             pool = self.block_pool.num_gpu_blocks - 1
             if spares is not None and blocks_needed(request.num_prompt_tokens, self.block_size) + spares <= pool:
                 state.shares, state.spares_needed = True, spares
+                if context is not None:  # a cached hit must end inside its context: the compaction at its end runs
+                    del request.block_hashes[(context - 1) // self.block_size:]
         if not state.shares:
             request.skip_reading_prefix_cache = True
 
@@ -164,8 +168,10 @@ class TrimAttentionManager(FullAttentionManager):
         # request's only until its first compaction (its blocks stop holding those tokens in order, and later
         # ones are computed after an eviction)
         state = self.states.get(request.request_id)
-        if state is not None and state.method is not None and (state.private or not state.shares):
-            return
+        if state is not None and state.method is not None:
+            if state.private or not state.shares:
+                return
+            num_tokens = min(num_tokens, len(request.block_hashes) * self.block_size)  # (a context's: see `start`)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def fail(self, request_id: str, why: str) -> None:
