@@ -2,7 +2,8 @@
 
 The server runs in its own session with its log in a file, so `stop()` ends it and its engine process
 together. Both kinds get the same vLLM flags, the same environment (OpenMP preloaded as `kvtrim serve`
-does it, `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind`) and prefix caching off.
+does it, `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind`) and prefix caching off (on for both
+in the document-QA load, `docqa.py`).
 """
 
 from __future__ import annotations
@@ -39,28 +40,31 @@ def server_env(plain: bool = False) -> dict[str, str]:
     return env
 
 
-def server_command(model: str, method: str | None, port: int, flags: list[str]) -> list[str]:
-    """argv of plain vLLM (`method=None`) or of `kvtrim serve --method METHOD`."""
+def server_command(model: str, method: str | None, port: int, flags: list[str],
+                   prefix_caching: bool = False) -> list[str]:
+    """argv of plain vLLM (`method=None`) or of `kvtrim serve --method METHOD`; prefix caching off unless
+    `prefix_caching` (the document-QA load)."""
+    caching = [] if prefix_caching else ["--no-enable-prefix-caching"]
     if method is None:
         from kvtrim.models import resolve_model_dir
 
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(model)),
-                "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching", *flags]
+                "--host", "127.0.0.1", "--port", str(port), *caching, *flags]
     return [sys.executable, "-m", "kvtrim.cli", "serve", "--model", model, "--method", method,
-            "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching", *flags]
+            "--host", "127.0.0.1", "--port", str(port), *caching, *flags]
 
 
 class Server:
     """A running server: `url`, `log_path`, `start_s` (seconds until `/health` answered)."""
 
     def __init__(self, model: str, method: str | None, flags: list[str], log_path: pathlib.Path,
-                 timeout: float = 900):
+                 timeout: float = 900, prefix_caching: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
-        self.cmd = server_command(model, method, self.port, flags)
+        self.cmd = server_command(model, method, self.port, flags, prefix_caching)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=server_env(plain=method is None), start_new_session=True)
