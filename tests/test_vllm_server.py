@@ -444,6 +444,45 @@ def test_preempted_compacted_requests_are_recomputed(server, prompts):
         small.stop()
 
 
+def test_preempted_requests_that_shared_the_cache_are_recomputed(server):
+    """Prefix caching on, a 12-block pool admitting as vLLM does: two KeyDiff requests at 0.75 (~500-token prompts,
+    each its own `cache_salt`, so each caches its own prompt blocks) that each grow by 880 tokens outgrow it, so
+    vLLM preempts; a preempted request is recomputed (without the cache: its first compaction then keeps its
+    prompt's share and all it generated, more than its spare blocks would copy), compacted again, and finds its
+    passkey as it does on a pool large enough for both. Before, such a restart found its cached blocks and failed
+    for want of blocks to copy them into."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
+    samples = passkey_samples(tok, 500, 2, seed=31)
+    spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
+    small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12",
+                                         "--max-model-len", "1408"])
+    try:
+        def answers(url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+            model = client.models.list().data[0].id
+
+            def one(i):
+                r = client.completions.create(model=model, prompt=samples[i].prompt, max_tokens=880, temperature=0,
+                                              extra_body={"ignore_eos": True, "vllm_xargs": spec,
+                                                          "cache_salt": f"restart {i}"})
+                return r.choices[0].text, r.usage.completion_tokens
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                return list(pool.map(one, range(2)))
+
+        roomy, tight = answers(server.url), answers(small.url)
+        assert gauge(small.url, "vllm:num_preemptions_total") > 0
+        assert all(n == 880 for _, n in tight)
+        found = [s.key in t[:40] for s, (t, _) in zip(samples, roomy)]
+        found_tight = [s.key in t[:40] for s, (t, _) in zip(samples, tight)]
+        assert sum(a and not b for a, b in zip(found, found_tight)) == 0, (roomy, tight)
+        wait_idle(small.url)
+    finally:
+        small.stop()
+
+
 def test_a_prompt_longer_than_the_pool_is_served_in_blocks():
     """KeyDiff `budget=1024:block_size=256` on a server whose whole pool holds 2,048 tokens (16 blocks of 128)
     with `--max-model-len 8192` (plain vLLM refuses to start so: one 8,192-token request must fit; kvtrim's

@@ -35,7 +35,7 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
   blocks: each of them that another request holds or the cache indexes is replaced by a fresh block (taken from
   the `spare` blocks reserved when it was admitted) which the worker fills with the old one's contents before it
   compacts (`Due.copies`, copy on write); the old blocks are let go once the compaction ran (`compacted`), and
-  stay in the cache. A request with a context (`kvtrim_context`) shares it too, its hits kept inside the context
+  stay in the cache. A preempted request stops sharing (it is recomputed without the cache). A request with a context (`kvtrim_context`) shares it too, its hits kept inside the context
   (its block hashes past the context's last full block are dropped until vLLM extends them after its prompt), so
   that the context's compaction runs: a document is computed once for all its questions, and compressed for
   each. Any other compacting request keeps out of the cache (it finds and caches nothing), as does one whose
@@ -253,7 +253,12 @@ class TrimAttentionManager(FullAttentionManager):
         if state.request.is_finished():
             del self.states[request_id]
             self.failed.pop(request_id, None)
-        return held  # (preempted: vLLM recomputes it from its tokens)
+        elif state.shares:  # preempted: recomputed from its tokens (its prompt and what it generated) without the
+            # prefix cache, whose copies on write its first compaction then (kept prompt + all it generated) could
+            # need more of than its spares
+            state.shares = False
+            state.request.skip_reading_prefix_cache = True
+        return held
 
     # -- blocks ---------------------------------------------------------------------------------------------
 
