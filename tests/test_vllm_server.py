@@ -409,39 +409,45 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     wait_idle(server.url)
 
 
+def recomputed_as_on_a_roomy_pool(server, samples, max_tokens: int, flags: list[str], salted: bool) -> None:
+    """`samples` sent at once with KeyDiff at 0.75 (`ignore_eos`, `max_tokens` each; `salted`: each its own
+    `cache_salt`) to `server` and to a 12-block server admitting as vLLM does (`flags` more): the small one
+    preempts, every request still gets its `max_tokens`, and none misses a passkey that the roomy server finds."""
+    spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
+    small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12", *flags])
+    try:
+        def answers(url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+            model = client.models.list().data[0].id
+
+            def one(i):
+                extra = {"ignore_eos": True, "vllm_xargs": spec} | ({"cache_salt": f"restart {i}"} if salted else {})
+                r = client.completions.create(model=model, prompt=samples[i].prompt, max_tokens=max_tokens,
+                                              temperature=0, extra_body=extra)
+                return r.choices[0].text, r.usage.completion_tokens
+
+            with concurrent.futures.ThreadPoolExecutor(len(samples)) as pool:
+                return list(pool.map(one, range(len(samples))))
+
+        roomy, tight = answers(server.url), answers(small.url)
+        assert gauge(small.url, "vllm:num_preemptions_total") > 0
+        assert all(n == max_tokens for _, n in tight)
+        found = [s.key in t[:40] for s, (t, _) in zip(samples, roomy)]
+        found_tight = [s.key in t[:40] for s, (t, _) in zip(samples, tight)]
+        assert sum(a and not b for a, b in zip(found, found_tight)) == 0, (roomy, tight)
+        wait_idle(small.url)
+    finally:
+        small.stop()
+
+
 def test_preempted_compacted_requests_are_recomputed(server, prompts):
     """A 12-block pool admitting as vLLM does (`--admission vllm`): four compacted requests (KeyDiff at 0.75
     keeps ~225 of ~900 entries, 2 blocks) that each grow by 200 tokens outgrow it, so vLLM preempts; a preempted request is recomputed from its tokens,
     compacted again, and answers as it does on a pool large enough for all four. Prefix caching off: with it, the
     passkey prompts share their first blocks and each admission reserves the blocks of its copies on write, so the
     four do not outgrow the pool together."""
-    spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
-    small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12",
-                                         "--max-model-len", "1280", "--no-enable-prefix-caching"])
-    try:
-        texts = [s.prompt for s in prompts[:4]]
-
-        def long_answers(url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
-            model = client.models.list().data[0].id
-
-            def one(p):
-                r = client.completions.create(model=model, prompt=p, max_tokens=200, temperature=0,
-                                              extra_body={"ignore_eos": True, "vllm_xargs": spec})
-                return r.choices[0].text, r.usage.completion_tokens
-
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                return list(pool.map(one, texts))
-
-        roomy, tight = long_answers(server.url), long_answers(small.url)
-        assert gauge(small.url, "vllm:num_preemptions_total") > 0
-        assert all(n == 200 for _, n in tight)
-        found = [s.key in t[:40] for s, (t, _) in zip(prompts, roomy)]
-        found_tight = [s.key in t[:40] for s, (t, _) in zip(prompts, tight)]
-        assert sum(a and not b for a, b in zip(found, found_tight)) == 0, (roomy, tight)
-        wait_idle(small.url)
-    finally:
-        small.stop()
+    recomputed_as_on_a_roomy_pool(server, prompts[:4], 200, ["--max-model-len", "1280", "--no-enable-prefix-caching"],
+                                  salted=False)
 
 
 def test_preempted_requests_that_shared_the_cache_are_recomputed(server):
@@ -454,33 +460,8 @@ def test_preempted_requests_that_shared_the_cache_are_recomputed(server):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
-    samples = passkey_samples(tok, 500, 2, seed=31)
-    spec = {"kvtrim": "keydiff:compression_ratio=0.75"}
-    small = Server(method="full", extra=["--admission", "vllm", "--num-gpu-blocks-override", "12",
-                                         "--max-model-len", "1408"])
-    try:
-        def answers(url):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
-            model = client.models.list().data[0].id
-
-            def one(i):
-                r = client.completions.create(model=model, prompt=samples[i].prompt, max_tokens=880, temperature=0,
-                                              extra_body={"ignore_eos": True, "vllm_xargs": spec,
-                                                          "cache_salt": f"restart {i}"})
-                return r.choices[0].text, r.usage.completion_tokens
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                return list(pool.map(one, range(2)))
-
-        roomy, tight = answers(server.url), answers(small.url)
-        assert gauge(small.url, "vllm:num_preemptions_total") > 0
-        assert all(n == 880 for _, n in tight)
-        found = [s.key in t[:40] for s, (t, _) in zip(samples, roomy)]
-        found_tight = [s.key in t[:40] for s, (t, _) in zip(samples, tight)]
-        assert sum(a and not b for a, b in zip(found, found_tight)) == 0, (roomy, tight)
-        wait_idle(small.url)
-    finally:
-        small.stop()
+    recomputed_as_on_a_roomy_pool(server, passkey_samples(tok, 500, 2, seed=31), 880, ["--max-model-len", "1408"],
+                                  salted=True)
 
 
 def test_a_prompt_longer_than_the_pool_is_served_in_blocks():

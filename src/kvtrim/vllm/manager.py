@@ -49,7 +49,7 @@ from typing import Any
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
-                                  request_peak, slots_held)
+                                  request_peak, request_total, slots_held)
 from kvtrim.vllm.spec import context_refusal, reads_prefix_cache, request_context
 from kvtrim.vllm.worker_check import check_vllm_version
 
@@ -101,6 +101,11 @@ class TrimRequest:
         self.counts, self.discarded, self.admitted, self.reserved, self.due = None, 0, False, None, None
         self.private = False
         return held
+
+    def spares_to_take(self) -> int:
+        """The spare blocks it takes when admitted: for the copies of its first compaction, while it shares the
+        prefix cache and that compaction is not planned yet."""
+        return self.spares_needed if self.shares and not self.private else 0
 
 
 class TrimAttentionManager(FullAttentionManager):
@@ -277,7 +282,7 @@ class TrimAttentionManager(FullAttentionManager):
             if why is not None:  # admitted, it would take the pool and be preempted, again and again
                 self.fail(request_id, why)
                 return _NEVER
-            spares = state.spares_needed if state.shares and not state.private else 0  # (taken when admitted)
+            spares = state.spares_to_take()
             if apply_admission_cap:  # vLLM's full-sequence gate
                 if prompt_block(state.method) is not None:  # it never holds its whole prompt: its peak admits it
                     return 0
@@ -299,8 +304,8 @@ class TrimAttentionManager(FullAttentionManager):
         if not state.admitted:
             state.admitted = True
             state.reserved = state.peak if self.admission == "peak" and not state.grows else None
-            if state.shares and not state.private:  # for the copies of its first compaction (`_copy_on_write`)
-                state.spare = self.block_pool.get_new_blocks(state.spares_needed)
+            if spares := state.spares_to_take():  # for the copies of its first compaction (`_copy_on_write`)
+                state.spare = self.block_pool.get_new_blocks(spares)
         gone = state.discarded
         return super().allocate_new_blocks(request_id, num_tokens - gone, num_tokens_main_model - gone)
 
@@ -310,9 +315,7 @@ class TrimAttentionManager(FullAttentionManager):
                    for rid, s in self.states.items() if s.reserved is not None)
 
     def _total(self, state: TrimRequest) -> int:
-        request = state.request
-        total = request.num_prompt_tokens + request.max_tokens
-        return total if self.max_model_len is None else min(total, self.max_model_len)
+        return request_total(state.request.num_prompt_tokens, state.request.max_tokens, self.max_model_len)
 
     def _peak(self, state: TrimRequest) -> int | None:
         """The blocks the request holds at most (`request_peak`; None: its method does not bound it), worked out

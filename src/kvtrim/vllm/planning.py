@@ -15,11 +15,12 @@ then evict: vLLM attended to everything before the compaction runs.
 method's own `target` on the counts when its schedule alone decides them (KeyDiff, StreamingLLM, KNorm, and
 SnapKV, TOVA, H2O, whose attention picks only which entries: no tensors, 7-21 µs a step; LazyEviction by
 its decode steps, `kept_after_decode`), else the method run on stand-in keys (one layer, one KV head,
-head_dim 8): how many entries the request stores after each forward, and which forwards change anything (`due`). The methods the engine runs keep counts that depend on
-token counts only (`kvtrim.vllm.spec`), so the scheduler's manager (`kvtrim.vllm.manager.TrimAttentionManager`)
-frees blocks by these counts and tells the worker, with each step's `SchedulerOutput` (`PLAN_ATTR`), which
-requests to compact and the count each must reach (`plan_forward`); the worker applies the method (`kvtrim.vllm.compact`) and checks its real count against it
-(a disagreement ends that request only).
+head_dim 8): how many entries the request stores after each forward, and which forwards change anything
+(`due`). The methods the engine runs keep counts that depend on token counts only (`kvtrim.vllm.spec`), so the
+scheduler's manager (`kvtrim.vllm.manager.TrimAttentionManager`) frees blocks by these counts and tells the
+worker, with each step's `SchedulerOutput` (`PLAN_ATTR`), which requests to compact and the count each must
+reach (`plan_forward`); the worker applies the method (`kvtrim.vllm.compact`) and checks its real count against
+it (a disagreement ends that request only).
 
 Forwards that are not due are not shown to the real method (reading a request's whole cache at every
 decode step would cost more than the step). That is exact for methods whose hooks, on a forward that
@@ -294,6 +295,12 @@ def prompt_peak(method: EvictionMethod, prompt_tokens: int) -> int:
         counts.advance(forward_steps(start, stop, prompt_tokens, block))
         start = stop
     return peak
+
+
+def request_total(prompt_tokens: int, max_tokens: int, max_len: int | None) -> int:
+    """The most tokens a request may reach: its prompt and `max_tokens`, at most `max_len` (`--max-model-len`)."""
+    total = prompt_tokens + max_tokens
+    return total if max_len is None else min(total, max_len)
 
 
 def request_peak(method: EvictionMethod | None, prompt_tokens: int, total: int,

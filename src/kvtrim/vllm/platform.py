@@ -19,7 +19,7 @@ from vllm.platforms.cpu import CpuPlatform
 
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm.config import server_method
-from kvtrim.vllm.planning import never_fits, request_peak
+from kvtrim.vllm.planning import never_fits, request_peak, request_total
 from kvtrim.vllm.spec import context_refusal, request_context, request_method
 
 
@@ -41,7 +41,7 @@ def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
     if not pool:
         return None
     max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_tokens
-    total = min(prompt_tokens + max_tokens, max_len)
+    total = request_total(prompt_tokens, max_tokens, max_len)
     block_size = vllm_config.cache_config.block_size
     peak, _ = request_peak(method, context or prompt_tokens, total, block_size)
     return never_fits(method, prompt_tokens, max_tokens, total, peak, block_size, pool - 1)  # one null block
