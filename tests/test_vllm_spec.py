@@ -215,3 +215,51 @@ def test_the_engine_reads_the_methods_declarations():
     assert not AdaKV.same_count_per_head and KNorm.same_count_per_head
     for method in (PerHead(budget=8), AdaKV(SnapKV(compression_ratio=0.5))):
         assert "different number of entries per KV head" in refusal(method)
+
+
+@pytest.mark.parametrize("text, shares", [
+    ("keydiff:compression_ratio=0.75", True), ("lagkv:compression_ratio=0.75", True), ("knorm:compression_ratio=0.5", True),
+    ("streaming:compression_ratio=0.75", True), ("lagkv:keep_ratio=0.25", False), ("keydiff:budget=64", False),
+    ("streaming:budget=64", False), ("knorm:budget=64", True),
+])
+def test_a_shared_context_is_never_written_after_it_ends(text, shares):
+    """`shares_context` against `TrimCache` (the method as `model.generate` runs it, random keys): a 200-token
+    context, then an append of 30 and 60 decode steps. A method that shares its compressed context keeps the
+    context's kept entries where they are and evicts nothing after it; every other one evicts or moves them."""
+    import torch
+
+    from kvtrim.cache import TrimCache
+    from kvtrim.methods.base import Phase
+    from kvtrim.vllm.spec import shares_context
+
+    method = method_for_vllm(text)
+    cache = TrimCache(method)
+    gen = torch.Generator().manual_seed(0)
+
+    def feed(phase, n, ends_prompt=False):
+        with cache.phase(phase, ends_prompt=ends_prompt):
+            cache.update(*torch.randn(2, 1, 2, n, 16, generator=gen), 0)
+
+    feed(Phase.PREFILL, 200, ends_prompt=True)
+    context = cache.layers[0].kept_positions().clone()
+    evictions = cache.layers[0].evictions
+    feed(Phase.APPEND, 30)
+    for _ in range(60):
+        feed(Phase.DECODE, 1)
+    layer = cache.layers[0]
+    unchanged = layer.evictions == evictions and torch.equal(layer.kept_positions()[..., :context.shape[-1]], context)
+    assert shares_context(method) is shares and unchanged is shares
+
+
+@pytest.mark.parametrize("text", ["snapkv:compression_ratio=0.75", "snapkv:budget=64"])
+def test_snapkvs_context_is_shared(text):  # its queries are read once, at the context's end
+    from kvtrim.vllm.spec import shares_context
+
+    assert shares_context(method_for_vllm(text))
+
+
+@pytest.mark.parametrize("text", ["tova:compression_ratio=0.5", "h2o:compression_ratio=0.5", "lazyeviction:budget=512"])
+def test_methods_fed_decode_attention_never_share_a_context(text):  # they evict or update state at decode steps
+    from kvtrim.vllm.spec import shares_context
+
+    assert not shares_context(method_for_vllm(text)) and not shares_context(None)

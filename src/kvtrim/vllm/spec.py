@@ -91,6 +91,19 @@ def reads_prefix_cache(method: EvictionMethod) -> bool:
     return method.prefill_block_size() is None and not prompt_sums(method) and prompt_queries(method) <= 1
 
 
+def shares_context(method: EvictionMethod | None) -> bool:
+    """True for a method whose compressed context (`kvtrim_context`) requests may share read-only, no request
+    writing it again: a ranking method that evicts only where its prompt ends (never at appends or decode steps:
+    no `append`, no `decode_slack` in its schedule), whose count is not a function of the tokens seen
+    (`stored_after`: LagKV's reference mode) or of its decode steps (LazyEviction), and which keeps no per-layer
+    state its planner follows: after its context, no compaction of it is ever planned. False for `full`."""
+    schedule = method.schedule() if isinstance(method, ScoringMethod) else None
+    if schedule is None or schedule.append or schedule.decode_slack is not None:
+        return False
+    stateful = method.new_state(0) is not None and (method.counts_by_schedule() or method.counts_ignore_attention)
+    return method.stored_after(1) is None and not method.counts_by_decode_steps and not stateful
+
+
 def prompt_queries(method: EvictionMethod) -> int:
     """How many of a prompt (block)'s last queries the engine hands `method` at its end: `prompt_queries()`
     (SnapKV's window, TOVA's last); none for a method given its prompt's sums (`prompt_sums`)."""
