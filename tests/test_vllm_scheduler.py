@@ -457,9 +457,10 @@ def test_a_context_request_shares_the_cache_only_inside_its_context():
     assert scheduled["c0"] == 100 - 96
     assert due["c0"].steps == [Step(Phase.PREFILL, True, 100)] and due["c0"].discarded == 50
     assert [i for i, _, _ in due["c0"].copies] == [0, 1, 2, 3]  # the blocks of the 50 kept: cached, shared
-    assert all(b.block_hash is None and b.ref_cnt == 1 for b in s.trim.req_to_blocks["c0"])
+    (context,) = s.trim.contexts.contexts.values()  # (its full blocks are shared from now on: compressed)
+    assert all(b.block_hash is None and b.ref_cnt == 1 + (b in context.blocks) for b in s.trim.req_to_blocks["c0"])
     run_all(s)
-    assert free_blocks(s) == 40
+    assert free_blocks(s) == 40 - len(context.held())
 
 
 @pytest.mark.parametrize("xargs, why", [
@@ -677,3 +678,131 @@ def test_prompt_end_requests_reserve_nothing_for_their_growth():
     assert all(s.trim.states[f"r{i}"].grows and s.trim.states[f"r{i}"].reserved is None for i in range(1, 9))
     run_all(s)
     assert free_blocks(s) == 40 and not s.trim.states
+
+
+def _hashed_requests(s: TrimScheduler):
+    """A function adding requests whose block hashes vLLM's prefix cache computes (prefix caching on)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def send(rid, prompt, spec=None, context=None, max_tokens=5, salt=None):
+        extra = {"kvtrim": spec} if spec else {}
+        if context is not None:
+            extra["kvtrim_context"] = context
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra or None)
+        s.add_request(Request(rid, prompt, params, None, block_hasher=hasher, cache_salt=salt))
+
+    return send
+
+
+def test_a_compressed_context_is_shared_read_only_by_later_requests():
+    """A 100-token document compressed at 0.5 by KeyDiff (`kvtrim_context=100`): the first request computes and
+    compacts it (50 kept: 3 full blocks and 2 entries) and registers it, with a copy of its last block. A later
+    request with the same document and method, another question, starts from it: only its question is computed
+    (no forward over the document, no compaction ever), its block table starts with the context's 3 blocks
+    (shared), then its own copy of the last block (the worker copies it before the forward); it stores what the
+    first one stores. No compaction writes a shared block. Another method, another salt or another document
+    computes its own. Pool: what the registry holds stays used; nothing else leaks."""
+    s = make_scheduler(60, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc = list(range(1000, 1100))
+    spec = "keydiff:compression_ratio=0.5"
+    send("c0", doc + list(range(1, 21)), spec, 100)
+    dues = []
+    while "c0" in s.requests and not s.trim.contexts.contexts:
+        scheduled, due = step(s, plans=True)
+        dues.append(due)
+    (context,) = s.trim.contexts.contexts.values()
+    assert dues[-1]["c0"].registers == (context.id, context.tail.block_id)
+    assert (context.tokens, context.kept, len(context.blocks)) == (100, 50, 3)
+    assert context.blocks == s.trim.req_to_blocks["c0"][:3] and [b.ref_cnt for b in context.blocks] == [2] * 3
+    send("c1", doc + list(range(30, 55)), spec, 100)
+    out = s.schedule()
+    plan = getattr(out, PLAN_ATTR)
+    assert out.num_scheduled_tokens == {"c0": 20, "c1": 25} and s.requests["c1"].num_computed_tokens == 125
+    assert plan.adopted == {"c1": (context.id, 50)} and not plan.due
+    mine = s.trim.req_to_blocks["c1"]
+    assert mine[:3] == context.blocks and plan.copies == ((context.tail.block_id, mine[3].block_id),)
+    assert held(s, "c1") == -(-(50 + 25) // BLOCK) and all(b.ref_cnt == 3 for b in context.blocks)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens),
+                                                req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
+                                                sampled_token_ids=[[7], [7]]))
+    send("k0", doc + list(range(1, 21)), "knorm:compression_ratio=0.5", 100)
+    send("c2", doc + list(range(1, 21)), spec, 100, salt="other")
+    send("c3", list(range(2000, 2100)) + list(range(1, 21)), spec, 100)
+    scheduled, due = step(s, plans=True)
+    # each compresses its own context (KNorm from the document's 6 full blocks, cached by c0 before compressing)
+    assert (scheduled["k0"], scheduled["c2"], scheduled["c3"]) == (4, 100, 100)
+    assert all(due[rid].registers is not None for rid in ("k0", "c2", "c3"))
+    shared = {b.block_id for b in context.held()}
+    while s.has_requests():
+        scheduled, due = step(s, plans=True)
+        for rid, d in due.items():  # a compaction writes its request's first slots: never a shared block
+            assert not shared & {b.block_id for b in s.trim.req_to_blocks[rid][:-(-(d.end - d.discarded) // BLOCK)]}
+        assert "c1" not in due
+    assert len(s.trim.contexts.contexts) == 4 and not s.trim.states  # c0's, k0's, c2's, c3's
+    assert free_blocks(s) == 60 - s.trim.contexts.held_blocks()
+
+
+def test_idle_contexts_go_back_least_recently_used_first_when_room_is_needed():
+    """Three 100-token documents compressed at 0.5 (4 blocks each, held by the registry) on a 20-block pool: a
+    request needing 12 blocks releases the least recently used idle ones, in that order, the worker is told
+    which; a context a running request reads is never released; a question about a released document computes
+    it again (and registers it again)."""
+    s = make_scheduler(20, prefix_caching=True)
+    send = _hashed_requests(s)
+    spec = "keydiff:compression_ratio=0.5"
+    docs = [list(range(1000 * d, 1000 * d + 100)) for d in (1, 2, 3)]
+    for d, doc in enumerate(docs):
+        send(f"c{d}", doc + [1, 2, 3], spec, 100, max_tokens=1)
+        run_all(s)
+    ids = [c.id for c in s.trim.contexts.contexts.values()]
+    assert len(ids) == 3 and free_blocks(s) == 20 - 12
+    send("r0", docs[0] + [4, 5], spec, 100, max_tokens=30)  # reads (and refreshes) document 0: 5 blocks
+    step(s)
+    send("big", list(range(50, 230)), None, max_tokens=12)  # 180 tokens: 12 blocks, 7 free
+    out = s.schedule()
+    assert "big" in out.num_scheduled_tokens and getattr(out, PLAN_ATTR).released == (ids[1], ids[2])
+    assert [c.id for c in s.trim.contexts.contexts.values()] == [ids[0]]
+    s.update_from_output(out, ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens),
+                                                req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
+                                                sampled_token_ids=[[7] for _ in out.num_scheduled_tokens]))
+    run_all(s)
+    send("again", docs[1] + [6], spec, 100, max_tokens=1)
+    assert step(s) == {"again": 100}  # its context, computed again (its blocks were taken too)
+    run_all(s)
+    assert len(s.trim.contexts.contexts) == 2 and free_blocks(s) == 20 - s.trim.contexts.held_blocks()
+
+
+def test_aborts_while_a_context_is_shared_or_registered_leave_nothing_behind():
+    """A request aborted after its context's compaction was planned, before it ran: nothing is registered and
+    the copy of its last block goes back. A reader aborted mid-decode: its own blocks go back, the context's stay
+    (the registry's reference), and a later reader still starts from it. Then the pool holds only the context."""
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler(40, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    send("c0", doc + [1, 2, 3], spec, 100)
+    out = s.schedule()
+    assert getattr(out, PLAN_ATTR).due["c0"].registers is not None
+    s.finish_requests("c0", RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=["c0"], req_id_to_index={"c0": 0}, sampled_token_ids=[[]]))
+    assert not s.trim.contexts.contexts and free_blocks(s) == 40 and not s.trim.states
+    send("c1", doc + [4, 5], spec, 100, max_tokens=30)
+    step(s)
+    step(s)  # c1's context registered, then its question
+    (context,) = s.trim.contexts.contexts.values()
+    send("r0", doc + [6, 7], spec, 100, max_tokens=30)
+    for _ in range(5):
+        step(s)
+    assert s.trim.states["r0"].reads is context and all(b.ref_cnt == 3 for b in context.blocks)
+    s.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert all(b.ref_cnt == 2 for b in context.blocks) and "r0" not in s.trim.states
+    send("r1", doc + [8], spec, 100)
+    assert step(s, plans=True)[1] == {} and s.trim.states["r1"].reads is context
+    run_all(s)
+    assert [b.ref_cnt for b in context.held()] == [1] * 4 and free_blocks(s) == 40 - 4

@@ -157,16 +157,26 @@ def gauge(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def wait_idle(url: str, timeout: float = 60) -> None:
+def wait_idle(url: str, timeout: float = 60, held: int = 0, pool: int = 127) -> None:
+    """Wait until the server runs no request and holds no block of its `pool` but the `held` ones of the shared
+    contexts it keeps (`context_blocks`)."""
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if gauge(url, "vllm:num_requests_running") == 0 and gauge(url, "vllm:kv_cache_usage_perc") == 0:
+        if gauge(url, "vllm:num_requests_running") == 0 and gauge(url, "vllm:kv_cache_usage_perc") * pool == pytest.approx(held):
             return
         time.sleep(0.5)
     raise AssertionError(f"the server kept requests or blocks: running={gauge(url, 'vllm:num_requests_running')}, "
-                         f"kv usage={gauge(url, 'vllm:kv_cache_usage_perc')}")
+                         f"kv usage={gauge(url, 'vllm:kv_cache_usage_perc')}, {held} blocks of shared contexts")
+
+
+def context_blocks(server) -> int:
+    """The blocks the server's shared compressed contexts hold, as its last line about them says."""
+    import re
+
+    said = re.findall(r"shared contexts hold (\d+) blocks", server.tail(100000))
+    return int(said[-1]) if said else 0
 
 
 def ask(url: str, prompt: str, spec: str | None = None, salt: str | None = None) -> tuple[str, int]:
@@ -232,8 +242,10 @@ def test_a_context_compressed_on_its_own_answers_as_kvtrim_compress(server_f32, 
     prompt (compressed query-agnostically: SnapKV on the context's own last window, H2O on its own attention), the
     rest of the prompt (the question) is read after it: float32, the greedy tokens are those of
     `kvtrim.compress(model, context, method)` then `ctx.generate(question)` in transformers, token for token,
-    also when the context's blocks are found cached (by the same request sent before): only the blocks inside
-    the context are found, so that its compaction runs."""
+    also when the same request was sent before: a method whose compressed context requests share
+    (`shares_context`: KeyDiff, SnapKV, LagKV at a ratio) then starts from the compressed context the first one
+    registered (no forward over it, no compaction: the worker logs it); any other finds the context's blocks in
+    vLLM's prefix cache (only those inside the context, so that its compaction runs), H2O none."""
     import json
 
     with open(CONTEXT_ANSWERS) as f:
@@ -245,15 +257,19 @@ def test_a_context_compressed_on_its_own_answers_as_kvtrim_compress(server_f32, 
         context = len(ids) - ref["question_tokens"]
         for salt in ("cold", "warm"):  # the same salt twice: the second finds the context's blocks cached
             before = gauge(server_f32.url, "vllm:prefix_cache_hits_total")
+            started = server_f32.tail(100000).count("starts from a shared context")
             r = client.completions.create(model=model, prompt=ids, max_tokens=ref["new_tokens"], temperature=0,
                                           extra_body={"vllm_xargs": {"kvtrim": spec, "kvtrim_context": context},
                                                       "cache_salt": f"context {spec} {k}"})
             assert r.choices[0].text == case["answer"], (salt, r.choices[0].text, case["answer"])
             assert f" of {context} entries after its prompt (" in server_f32.tail(100000)  # compressed at the context
             found = gauge(server_f32.url, "vllm:prefix_cache_hits_total") - before
-            shares = "h2o" not in spec and "snapkv" not in spec  # (they need more of the prompt's attention)
-            assert found == ((context - 1) // 128 * 128 if salt == "warm" and shares else 0), (salt, found)
-    wait_idle(server_f32.url)
+            warm_shared = salt == "warm" and spec.split(":")[0] in ("keydiff", "snapkv", "lagkv")
+            assert server_f32.tail(100000).count("starts from a shared context") == started + warm_shared
+            if not warm_shared:
+                shares = "h2o" not in spec  # (it needs every prompt row's attention)
+                assert found == ((context - 1) // 128 * 128 if salt == "warm" and shares else 0), (salt, found)
+    wait_idle(server_f32.url, held=context_blocks(server_f32))
 
 
 @pytest.mark.parametrize("xargs, words", [
@@ -378,8 +394,9 @@ def test_a_method_that_raises_ends_its_requests_with_an_error_its_client_sees(se
 
 def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     """Short prompts of different lengths, methods and `full` mixed in one load (some evicting while decoding:
-    20 new tokens for those), with bad specs among them (400s); every good request answers and the pool is
-    empty afterwards."""
+    20 new tokens for those; one in three compressing its first 24 tokens as a context, shared by the requests
+    of the same method and first words), with bad specs among them (400s); every good request answers and the
+    pool is empty afterwards, but for the blocks of the shared contexts kept."""
     specs = ["full", "lagkv:compression_ratio=0.5:lag_size=32", "keydiff:compression_ratio=0.75",
              "streaming:compression_ratio=0.5", "knorm:compression_ratio=0.5", "lagkv:compression_ratio=0.75:lag_size=16",
              "keydiff:budget=48:block_size=16", "lagkv:lag_size=8:sink_size=4", "streaming:budget=40",
@@ -394,9 +411,10 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     def one(i):
         prompt = " ".join(words[(i + j) % len(words)] for j in range(40 + 7 * (i % 30)))
         spec = specs[i % len(specs)]
+        xargs = {"kvtrim": spec} | ({"kvtrim_context": 24} if i % 3 == 0 and spec != "full" else {})
         try:
             r = client.completions.create(model=model, prompt=prompt, max_tokens=20 if spec in decoding else 4, temperature=0,
-                                          extra_body={"ignore_eos": True, "vllm_xargs": {"kvtrim": spec}})
+                                          extra_body={"ignore_eos": True, "vllm_xargs": xargs})
             return r.usage.completion_tokens
         except openai.BadRequestError:
             return "400"
@@ -406,7 +424,8 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     bad = [i for i in range(200) if specs[i % len(specs)] == specs[-1]]
     assert all(got[i] == "400" for i in bad)
     assert all(got[i] == (20 if specs[i % len(specs)] in decoding else 4) for i in range(200) if i not in bad), got
-    wait_idle(server.url)
+    assert "starts from a shared context" in server.tail(100000)
+    wait_idle(server.url, held=context_blocks(server))
 
 
 def recomputed_as_on_a_roomy_pool(server, samples, max_tokens: int, flags: list[str], salted: bool) -> None:

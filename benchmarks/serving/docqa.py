@@ -10,9 +10,11 @@ the documents: every document's first question, then every second one, ... Confi
 `kvtrim serve` whose requests name their document as a context compressed on its own (`vllm_xargs:
 {"kvtrim": SPEC, "kvtrim_context": document tokens}`) by each of `--methods`. Reported per configuration: time
 to first token of first and later questions (p50/p90), output throughput, prompt tokens computed (prompt tokens
-less vLLM's prefix-cache hits), running requests at once, KV-cache usage, preemptions and accuracy (the key in
-the answer). What it cannot show yet: a compressed context shared between requests (each request compresses its
-document again from the cached full blocks: the cache holds full documents, as plain vLLM's does).
+less vLLM's prefix-cache hits), later questions that found their document cached (vLLM: its full blocks in
+the prefix cache; kvtrim: its compressed context, shared, `kvtrim.vllm.contexts`, per each response's
+`cached_tokens`), documents held at once (kvtrim: the most shared contexts its log reports; vLLM: how many full
+documents its pool holds), running requests at once, KV-cache usage, preemptions and accuracy (the key in the
+answer).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import datetime
 import json
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ from launch import Server  # noqa: E402
 from load import GAUGES, fetch_metrics, parse_metrics, warm_up  # noqa: E402
 from run import machine, slug  # noqa: E402
 
+BLOCK = 128  # the servers' KV block (vLLM's CPU default)
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total",
             "vllm:num_preemptions_total")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -84,18 +88,21 @@ def documents(tok, docs: int, questions: int, doc_tokens: int, seed: int):
 
 async def _one(client, model, prompt_ids, xargs, max_tokens, send_at, t0):
     await asyncio.sleep(max(0.0, t0 + send_at - time.perf_counter()))
-    sent, first, parts, error = time.perf_counter(), None, [], None
+    sent, first, parts, error, cached = time.perf_counter(), None, [], None, None
     try:
         stream = await client.completions.create(model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"vllm_xargs": xargs} if xargs else None)
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"vllm_xargs": xargs} if xargs else None)
         async for chunk in stream:
             if chunk.choices:
                 first = first or time.perf_counter()
                 parts.append(chunk.choices[0].text or "")
+            if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+                cached = chunk.usage.prompt_tokens_details.cached_tokens
     except (openai.OpenAIError, httpx.HTTPError) as e:
         error = f"{type(e).__name__}: {e}".splitlines()[0]
     return {"sent_s": sent - t0, "ttft_s": None if first is None else first - sent,
-            "end_s": time.perf_counter() - t0, "text": "".join(parts), "error": error}
+            "end_s": time.perf_counter() - t0, "text": "".join(parts), "error": error, "cached_tokens": cached}
 
 
 async def _poll(url, stop, out):
@@ -134,7 +141,7 @@ def _pct(xs, q):
 
 def run_config(args, label, spec, docs, out) -> dict:
     flags = ["--num-gpu-blocks-override", str(args.blocks), "--max-num-seqs", "64", "--dtype", "bfloat16",
-             "--enforce-eager", "--max-model-len", "4096", "--seed", str(args.seed)]
+             "--enforce-eager", "--max-model-len", "4096", "--seed", str(args.seed), "--enable-prompt-tokens-details"]
     server = Server(args.model, None if spec is None else "full", flags, out / "logs" / f"{slug(label)}.log",
                     prefix_caching=True)
     try:
@@ -153,7 +160,10 @@ def run_config(args, label, spec, docs, out) -> dict:
         server.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
     for r, (d, q, key) in zip(records, meta):
-        r.update(doc=d, question=q, found=key in r["text"])
+        full = len(docs[d][0]) // BLOCK * BLOCK  # its document's full blocks: what a hit covers at least
+        r.update(doc=d, question=q, found=key in r["text"], doc_cached=(r["cached_tokens"] or 0) >= full)
+    said = re.findall(r"(\d+) shared contexts hold", server.log_path.read_text())
+    per_doc = -(-max(len(doc) + len(qs[0][0]) for doc, qs in docs) // BLOCK)  # a document and a question, in blocks
     first = [r["ttft_s"] for r in records if r["question"] == 0]
     later = [r["ttft_s"] for r in records if r["question"] > 0]
     window = max(r["end_s"] for r in records) - min(r["sent_s"] for r in records)
@@ -167,6 +177,8 @@ def run_config(args, label, spec, docs, out) -> dict:
             "running_max": max((s[0] or 0 for s in samples), default=None),
             "running_mean": statistics.mean(s[0] or 0 for s in samples) if samples else None,
             "kv_usage_max": max((s[2] or 0 for s in samples), default=None),
+            "later_doc_cached": sum(r["doc_cached"] for r in records if r["question"] > 0), "later": len(later),
+            "docs_held": max(map(int, said), default=0) if spec is not None else args.blocks // per_doc,
             "found": sum(r["found"] for r in records), "records": records, "start_s": server.start_s}
 
 
@@ -179,13 +191,15 @@ def write(out: pathlib.Path, data: dict) -> None:
              f"128; kvtrim {data['machine']['kvtrim_commit'][:10]}, {data['started']}.", "",
              "    " + data["command"], "",
              "| configuration | TTFT first p50 / p90 s | TTFT later p50 / p90 s | out tok/s | prompt tokens computed | "
-             "cache hits | running max / mean | KV usage max | preempted | found |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "cache hits | later questions finding their document | documents held at once | running max / mean | "
+             "KV usage max | preempted | found |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda x, n=2: "–" if x is None else f"{x:.{n}f}"  # noqa: E731
     for r in data["runs"]:
         lines.append(f"| {r['label']} | {f(r['ttft_first_p50_s'])} / {f(r['ttft_first_p90_s'])} | "
                      f"{f(r['ttft_later_p50_s'])} / {f(r['ttft_later_p90_s'])} | {f(r['output_tok_s'], 1)} | "
                      f"{r['prompt_tokens_computed']:.0f} of {r['prompt_tokens']:.0f} | {r['cache_hit_tokens']:.0f} | "
+                     f"{r['later_doc_cached']}/{r['later']} | {r['docs_held']}{'' if r['method'] else ' (pool)'} | "
                      f"{f(r['running_max'], 0)} / {f(r['running_mean'], 1)} | {f(r['kv_usage_max'])} | "
                      f"{r['preempted']:.0f} | {r['found']}/{r['requests']} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")

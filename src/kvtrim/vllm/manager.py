@@ -44,18 +44,23 @@ sliding-window layers. It is vLLM's `FullAttentionManager`, plus:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
                                   request_peak, request_total, slots_held)
-from kvtrim.vllm.spec import context_refusal, reads_prefix_cache, request_context
+from kvtrim.vllm.contexts import ContextRegistry, SharedContext, context_key
+from kvtrim.vllm.spec import context_refusal, reads_prefix_cache, request_context, shares_context
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
 
+from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+
+logger = init_logger("vllm.kvtrim")
 
 #: blocks asked for a request that must not be admitted (failed, or never fits): more than any pool holds
 _NEVER = 1 << 40
@@ -93,13 +98,22 @@ class TrimRequest:
     spare: list = field(default_factory=list)
     #: the shared or cached blocks the planned compaction replaced (let go once it ran)
     replaced: list = field(default_factory=list)
+    #: its context's key when its method shares compressed contexts (`kvtrim.vllm.contexts`); the registered
+    #: context it was found to start from (until its blocks are allocated: `hit`) and that it reads (`reads`);
+    #: the context its planned compaction registers once it ran
+    context_key: tuple | None = None
+    hit: SharedContext | None = None
+    reads: SharedContext | None = None
+    registers: SharedContext | None = None
 
     def restart(self) -> list:
         """Preempted: recomputed later from its tokens, its counts start over. Returns the blocks it held beside
-        its block table (spare, replaced), for vLLM to free with it."""
+        its block table (spare, replaced, the copy of a context it was registering), for vLLM to free with it."""
         held, self.spare, self.replaced = self.spare + self.replaced, [], []
+        if self.registers is not None and self.registers.tail is not None:
+            held.append(self.registers.tail)
         self.counts, self.discarded, self.admitted, self.reserved, self.due = None, 0, False, None, None
-        self.private = False
+        self.private, self.hit, self.reads, self.registers = False, None, None, None
         return held
 
     def spares_to_take(self) -> int:
@@ -122,6 +136,11 @@ class TrimAttentionManager(FullAttentionManager):
         self.max_model_len: int | None = None
         #: blocks returned to the pool by compactions so far (logs, tests)
         self.freed_blocks = 0
+        #: compressed contexts shared by requests (`kvtrim.vllm.contexts`), and what this step tells the worker of
+        #: them: requests starting from one (req_id -> (context id, entries discarded)), blocks to copy
+        self.contexts = ContextRegistry(self.block_pool)
+        self._adopted: dict[str, tuple[int, int]] = {}
+        self._copies: list[tuple[int, int]] = []
 
     def configure(self, admission: str, max_model_len: int) -> None:
         self.admission, self.max_model_len = admission, max_model_len
@@ -142,6 +161,8 @@ class TrimAttentionManager(FullAttentionManager):
             self.fail(request.request_id, why)
         elif context is not None:
             state.prompt_tokens = context
+            if self.enable_caching and shares_context(method):
+                state.context_key = context_key(request, method, context, self.block_size)
         if method is None:
             return
         if self.enable_caching and reads_prefix_cache(method):
@@ -194,10 +215,50 @@ class TrimAttentionManager(FullAttentionManager):
         if state is None or state.method is None or request_id in self.failed:
             return None
         state.counts, state.due = plan_forward(state.counts, state.method, computed, end, state.prompt_tokens)
+        if state.due is not None and state.reads is not None:  # (`shares_context` promises none: a guard)
+            raise KvtrimError("a compaction was planned for a request reading a shared context, whose blocks no "
+                              "request may write")
         if state.due is not None and state.shares and not state.private:
             state.private = True  # its first compaction
             state.due = self._copy_on_write(request_id, state, state.due)
+        if state.due is not None and state.context_key is not None and state.due.steps[0].ends_prompt:
+            state.due = self._register(state, state.due)
         return state.due
+
+    def _register(self, state: TrimRequest, due: Due) -> Due:
+        """The compaction at `due` ends the request's context: unless it is registered already, it is registered
+        once the compaction ran (`compacted`), with a copy of its last block when its kept entries fill it only
+        in part (taken now; without a free block it is not registered)."""
+        if state.context_key in self.contexts.contexts:
+            return due
+        kept = due.end - due.discarded
+        tail = None
+        if kept % self.block_size:
+            if self.block_pool.get_num_free_blocks() == 0:
+                return due
+            tail = self.block_pool.get_new_blocks(1)[0]
+        state.registers = SharedContext(self.contexts.new_id(), state.context_key, due.end, kept, tail=tail,
+                                        counts=copy.deepcopy(state.counts))
+        return replace(due, registers=(state.registers.id, None if tail is None else tail.block_id))
+
+    def context_hit(self, request) -> SharedContext | None:
+        """The registered compressed context a waiting request starts from (vLLM's prefix-cache lookup), or None:
+        its context and method match one, it does not ask for its prompt's logprobs (vLLM's own reason to skip
+        the cache), and a token is left to compute after it."""
+        state = self.states.get(request.request_id)
+        if state is None or state.context_key is None or request.request_id in self.failed:
+            return None
+        params = request.sampling_params
+        if (params is not None and params.skip_reading_prefix_cache) or state.prompt_tokens >= request.num_tokens:
+            return None
+        state.hit = self.contexts.find(state.context_key)
+        return state.hit
+
+    def take_context_plan(self) -> tuple[dict[str, tuple[int, int]], tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """For this step's plan: the requests starting from a shared context, the blocks to copy before the
+        forward, the contexts released (`kvtrim.vllm.planning.StepPlan`); the next step starts."""
+        adopted, copies, self._adopted, self._copies = self._adopted, tuple(self._copies), {}, []
+        return adopted, copies, tuple(self.contexts.take_released())
 
     def _copy_on_write(self, request_id: str, state: TrimRequest, due: Due) -> Due:
         """Replace each block the compaction at `due` writes (the first `slots_held` slots) that another request
@@ -231,6 +292,13 @@ class TrimAttentionManager(FullAttentionManager):
         if due is None:
             return 0
         state.due, state.discarded = None, due.discarded
+        if state.registers is not None:  # its context, compressed: shared from now on (its own blocks)
+            context, state.registers = state.registers, None
+            context.blocks = list(self.req_to_blocks[request_id][:context.kept // self.block_size])
+            self.block_pool.touch(context.blocks)
+            self.contexts.add(context)
+            logger.info("kvtrim: request %s shares its context: %d tokens kept as %d entries in %d blocks (%s)",
+                        request_id, context.tokens, context.kept, len(context.held()), self.contexts.describe())
         if state.replaced:  # copied: the old blocks go back (those in the prefix cache stay findable there)
             self.block_pool.free_blocks(reversed(state.replaced))
             state.replaced = []
@@ -273,7 +341,8 @@ class TrimAttentionManager(FullAttentionManager):
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args,
                                                       apply_admission_cap=apply_admission_cap, **kwargs)
         if state.admitted:  # a running request: sized by what it stores
-            return super().get_num_blocks_to_allocate(request_id, num_tokens - state.discarded, *args, **kwargs)
+            return self._room(super().get_num_blocks_to_allocate(request_id, num_tokens - state.discarded, *args,
+                                                                 **kwargs))
         if request_id in self.failed:
             return _NEVER
         try:
@@ -282,32 +351,68 @@ class TrimAttentionManager(FullAttentionManager):
             if why is not None:  # admitted, it would take the pool and be preempted, again and again
                 self.fail(request_id, why)
                 return _NEVER
-            spares = state.spares_to_take()
-            if apply_admission_cap:  # vLLM's full-sequence gate
+            hit = state.hit
+            if hit is not None:  # it starts from a shared context: blocks for its slots past the context's full ones
+                blocks = max(0, blocks_needed(num_tokens - (hit.tokens - hit.kept), self.block_size) - len(hit.blocks))
+                if apply_admission_cap:
+                    return self._room(blocks, hit)
+            elif apply_admission_cap:  # vLLM's full-sequence gate
                 if prompt_block(state.method) is not None:  # it never holds its whole prompt: its peak admits it
                     return 0
-                return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
-                                                          **kwargs) + spares
-            blocks = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs) + spares
-            if self.admission != "peak":
-                return blocks
-            # the free pool must hold what admitted requests may still take, and this one's peak if it reserves it
-            return max(blocks, 0 if peak is None or state.grows else peak) + self._debt()
+                return self._room(super().get_num_blocks_to_allocate(
+                    request_id, num_tokens, *args, apply_admission_cap=True, **kwargs) + state.spares_to_take())
+            else:
+                blocks = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs) + state.spares_to_take()
+            if self.admission == "peak":
+                # the free pool must hold what admitted requests may still take, and this one's peak if it reserves it
+                blocks = max(blocks, 0 if peak is None or state.grows else peak) + self._debt()
+            return self._room(blocks, hit)
         except Exception as err:  # noqa: BLE001 - one request's method must not stop the engine
             self.fail(request_id, f"admission: {one_line(err)}")
             return _NEVER
+
+    def _room(self, blocks: int, reading: SharedContext | None = None) -> int:
+        """`blocks` (what an allocation needs), after releasing idle shared contexts (but `reading`, which the
+        request being allocated starts from) until the pool has them free, if it can."""
+        if blocks > self.block_pool.get_num_free_blocks() and self.contexts.contexts:
+            if reading is not None:
+                self.contexts.read(reading)
+            held = len(self.contexts.contexts)
+            self.contexts.make_room(blocks)
+            if len(self.contexts.contexts) < held:
+                logger.info("kvtrim: %d shared contexts released for room (%s)", held - len(self.contexts.contexts),
+                            self.contexts.describe())
+        return blocks
+
+    def add_local_computed_blocks(self, request_id, new_computed_blocks, *args, **kwargs) -> None:
+        state = self.states.get(request_id)
+        if state is None or state.hit is None:
+            return super().add_local_computed_blocks(request_id, new_computed_blocks, *args, **kwargs)
+        # a shared context's full blocks, read-only: its readers write slots past them only
+        self.block_pool.touch(state.hit.blocks)
+        self.req_to_blocks[request_id].extend(state.hit.blocks)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
         state = self.states.get(request_id)
         if state is None:
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        context = None
         if not state.admitted:
             state.admitted = True
             state.reserved = state.peak if self.admission == "peak" and not state.grows else None
+            if state.hit is not None:  # it starts from a shared context: stores its kept entries, caches nothing
+                context, state.hit = state.hit, None
+                state.reads, state.private = context, True
+                state.discarded, state.counts = context.tokens - context.kept, copy.deepcopy(context.counts)
+                self.contexts.read(context)
+                self._adopted[request_id] = (context.id, state.discarded)
             if spares := state.spares_to_take():  # for the copies of its first compaction (`_copy_on_write`)
                 state.spare = self.block_pool.get_new_blocks(spares)
         gone = state.discarded
-        return super().allocate_new_blocks(request_id, num_tokens - gone, num_tokens_main_model - gone)
+        new = super().allocate_new_blocks(request_id, num_tokens - gone, num_tokens_main_model - gone)
+        if context is not None and context.tail is not None:  # its own copy of the context's last block
+            self._copies.append((context.tail.block_id, self.req_to_blocks[request_id][len(context.blocks)].block_id))
+        return new
 
     def _debt(self) -> int:
         """Blocks that admitted requests may still take to reach their peaks."""

