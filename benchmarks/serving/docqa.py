@@ -24,7 +24,6 @@ import asyncio
 import datetime
 import json
 import pathlib
-import random
 import re
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(HERE.parents[1] / "src"))  # this checkout's kvtrim (the 
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+from docqa_docs import FILLER, documents  # noqa: E402
 from launch import Server  # noqa: E402
 from load import GAUGES, fetch_metrics, parse_metrics, warm_up  # noqa: E402
 from run import machine, slug  # noqa: E402
@@ -43,8 +43,7 @@ from run import machine, slug  # noqa: E402
 BLOCK = 128  # the servers' KV block (vLLM's CPU default)
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total",
             "vllm:num_preemptions_total")
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-          "The river runs past the old mill, and the mill wheel turns all day. ")
+
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,28 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def documents(tok, docs: int, questions: int, doc_tokens: int, seed: int):
-    """[(document ids, [(question ids, key)])]: filler with `questions` needles spread through it."""
-    rng = random.Random(seed)
-    out = []
-    per_sentence = len(tok(FILLER, add_special_tokens=False).input_ids)
-    for d in range(docs):
-        keys = [str(rng.randint(10000, 99999)) for _ in range(questions)]
-        chunks = max(1, doc_tokens // per_sentence)
-        spots = {int((j + 0.5) * chunks / questions): j for j in range(questions)}
-        text = f"Document {d}. There are {questions} doors; each has a pass key. Remember them.\n"
-        for c in range(chunks):
-            text += FILLER
-            if c in spots:
-                j = spots[c]
-                text += f"The pass key of door {j} is {keys[j]}. Remember it. "
-        ids = tok(text, add_special_tokens=False).input_ids
-        qs = [(tok(f"\nWhat is the pass key of door {j}? The pass key of door {j} is",
-                   add_special_tokens=False).input_ids, keys[j]) for j in range(questions)]
-        out.append((ids, qs))
-    return out
 
 
 async def _one(client, model, prompt_ids, xargs, max_tokens, send_at, t0):
