@@ -94,6 +94,7 @@ def test_installed_methods_are_found(monkeypatch):
     (["--kv_transfer_config.kv_connector=ExampleConnector"], "--kv-transfer-config"),  # vLLM reads it so too
     (["--kv-offloading-size", "4"], "--kv-offloading-size"),
     (["--speculative-config={}"], "--speculative-config"),
+    (["-pp", "2"], "-pp"),
 ])
 def test_serve_refuses_what_compaction_breaks_in_one_line(capsys, flags, words):
     pytest.importorskip("vllm", reason="kvtrim serve needs vLLM's CPU build (.venv-serve)")

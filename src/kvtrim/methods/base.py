@@ -306,6 +306,10 @@ class EvictionMethod:
     #: prompt blocks and appends evict nothing, and a decode step's count depends on the entries stored and the
     #: decode steps since the last prompt block or append (LazyEviction): a planner counts it without keys
     counts_by_decode_steps: ClassVar[bool] = False
+    #: True when a KV head's kept entries depend on other KV heads' keys, queries or attention (TOVA: one set per
+    #: layer, from its attention averaged over all the layer's heads): kvtrim's vLLM engine refuses it under tensor
+    #: parallelism, whose ranks each hold some of the heads (tests/test_parallel.py checks every method's claim)
+    decides_across_heads: ClassVar[bool] = False
 
     def __post_init__(self):
         owner = type(self).__name__

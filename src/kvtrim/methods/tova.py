@@ -55,6 +55,7 @@ class TOVA(ScoringMethod):
     reads_values = False
     in_place_decode = True  # the default `evicted_slot`: the lowest score, ties -> the latest position
     counts_ignore_attention = True  # attention picks which entries, the schedule how many
+    decides_across_heads = True  # its attention averaged over all the layer's heads
     headwise_refusal = "it scores one set of entries shared by all heads (nothing to allocate)"
 
     def schedule(self):

@@ -40,10 +40,8 @@ _REFUSED = {
     "--kv-transfer-config": "a KV connector would save or load compacted blocks as if they held the tokens in order",
     "--kv-offloading-size": "KV offloading is a KV connector: it would save or load compacted blocks as if they held "
                             "the tokens in order",
-    "--tensor-parallel-size": "kvtrim's worker runs on one worker only",
-    "-tp": "kvtrim's worker runs on one worker only",
-    "--pipeline-parallel-size": "kvtrim's worker runs on one worker only",
-    "-pp": "kvtrim's worker runs on one worker only",
+    "--pipeline-parallel-size": "pipeline stages are not supported yet (tensor and data parallelism are)",
+    "-pp": "pipeline stages are not supported yet (tensor and data parallelism are)",
 }
 
 

@@ -31,8 +31,9 @@ def refuse_features(vllm_config) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise KvtrimError("kvtrim's vLLM worker refuses a KV connector (--kv-transfer-config, --kv-offloading-size): "
                           "it would save or load compacted blocks as if they held the request's tokens in order")
-    if vllm_config.parallel_config.world_size > 1:
-        raise KvtrimError("kvtrim's vLLM worker runs on one worker only (tensor/pipeline parallel size 1)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise KvtrimError("kvtrim's vLLM worker refuses pipeline parallelism (--pipeline-parallel-size): each stage "
+                          "would compact its own layers with counts only the last one samples by")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         raise KvtrimError("kvtrim's vLLM worker refuses async scheduling (the next step would be scheduled before "
                           "this step's compaction frees its blocks): pass --no-async-scheduling")

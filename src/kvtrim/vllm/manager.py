@@ -52,7 +52,8 @@ from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
                                   request_peak, request_total, slots_held)
 from kvtrim.vllm.contexts import ContextRegistry, SharedContext, context_key
-from kvtrim.vllm.spec import context_refusal, reads_prefix_cache, request_context, shares_context
+from kvtrim.vllm.spec import (context_refusal, parallel_refusal, reads_prefix_cache, request_context,
+                              shares_context)
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -131,9 +132,11 @@ class TrimAttentionManager(FullAttentionManager):
         #: req_id -> why (one line): requests to end with an error at the step's update (planning or admission
         #: failed, or the pool can never hold them); the scheduler takes them (`take_failed`)
         self.failed: dict[str, str] = {}
-        #: "peak" or "vllm" (`kvtrim serve --admission`) and the longest request, set by the scheduler (`configure`)
+        #: "peak" or "vllm" (`kvtrim serve --admission`), the longest request and the tensor-parallel ranks, set by
+        #: the scheduler (`configure`)
         self.admission = "peak"
         self.max_model_len: int | None = None
+        self.tensor_parallel = 1
         #: blocks returned to the pool by compactions so far (logs, tests)
         self.freed_blocks = 0
         #: compressed contexts shared by requests (`kvtrim.vllm.contexts`), and what this step tells the worker of
@@ -142,8 +145,8 @@ class TrimAttentionManager(FullAttentionManager):
         self._adopted: dict[str, tuple[int, int]] = {}
         self._copies: list[tuple[int, int]] = []
 
-    def configure(self, admission: str, max_model_len: int) -> None:
-        self.admission, self.max_model_len = admission, max_model_len
+    def configure(self, admission: str, max_model_len: int, tensor_parallel: int = 1) -> None:
+        self.admission, self.max_model_len, self.tensor_parallel = admission, max_model_len, tensor_parallel
 
     # -- the life of a request ------------------------------------------------------------------------------
 
@@ -154,7 +157,9 @@ class TrimAttentionManager(FullAttentionManager):
         state = self.states[request.request_id] = TrimRequest(request, method, request.num_prompt_tokens)
         try:
             context = request_context(request.sampling_params)
-            why = None if context is None else context_refusal(method, context, request.num_prompt_tokens)
+            why = parallel_refusal(method, self.tensor_parallel)
+            if why is None and context is not None:
+                why = context_refusal(method, context, request.num_prompt_tokens)
         except Exception as err:  # noqa: BLE001 - (the front end refuses bad values: a last guard)
             context, why = None, one_line(err)
         if why is not None:

@@ -31,7 +31,7 @@ import time
 from kvtrim.methods.base import KvtrimError, one_line
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
-from kvtrim.vllm.spec import method_for_vllm, request_method
+from kvtrim.vllm.spec import method_for_vllm, parallel_refusal, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -56,14 +56,17 @@ class TrimScheduler(Scheduler):
         admission = server_admission(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kvtrim_default = server_method(vllm_config)
-        method_for_vllm(self.kvtrim_default)
+        tensor_parallel = vllm_config.parallel_config.tensor_parallel_size
+        why = parallel_refusal(method_for_vllm(self.kvtrim_default), tensor_parallel)
+        if why is not None:
+            raise KvtrimError(f"--method {self.kvtrim_default}: {why}")
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or not isinstance(managers[0], TrimAttentionManager):
             raise KvtrimError("kvtrim's scheduler needs kvtrim's worker (--worker-cls kvtrim.vllm.worker.TrimCPUWorker), "
                               "whose KV-cache spec brings the manager of compacted requests' blocks")
         #: the one owner of kvtrim requests' blocks and counts
         self.trim: TrimAttentionManager = managers[0]
-        self.trim.configure(admission, self.max_model_len)
+        self.trim.configure(admission, self.max_model_len, tensor_parallel)
         #: seconds spent planning counts (the method on stand-in keys; the worker logs them as compaction time)
         self.kvtrim_plan_s = 0.0
         #: requests ended with an error (logs, tests)

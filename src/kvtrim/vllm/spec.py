@@ -76,6 +76,15 @@ def refusal(method: EvictionMethod) -> str | None:
     return None
 
 
+def parallel_refusal(method: EvictionMethod | None, tensor_parallel: int) -> str | None:
+    """Why `method` cannot run on a server of `tensor_parallel` ranks, each holding some of every layer's KV heads
+    and compacting them alone (one line), or None."""
+    if tensor_parallel > 1 and method is not None and method.decides_across_heads:
+        return (f"{type(method).__name__} decides from all of a layer's heads at once, which tensor parallelism "
+                f"splits across {tensor_parallel} ranks: serve it with --tensor-parallel-size 1")
+    return None
+
+
 def prompt_sums(method: EvictionMethod | None) -> bool:
     """True for a method that reads its prompt's attention as the column sums of its causal attention
     (`prompt_attention_summary = "sums"`; H2O: its accumulated scores start with them): the engine adds each
