@@ -4,13 +4,14 @@ tiny random Llama with 4 KV heads and 8 query heads (SmolLM2's 9 query heads do 
 greedy, against the same model served by one worker. Run from .venv-serve."""
 
 import concurrent.futures
+import os
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
 openai = pytest.importorskip("openai")
 
-from test_vllm_server import context_blocks, wait_idle  # noqa: E402
+from test_vllm_server import CONTRACT_BREAKER, context_blocks, wait_idle  # noqa: E402
 from vllm_server import Server  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,10 @@ def tiny_model(tmp_path_factory):
 
 
 def serve(model, flags, bind="nobind"):
-    return Server(model=model, method="full", extra=[*FLAGS, *flags], env_extra={"VLLM_CPU_OMP_THREADS_BIND": bind})
+    # (with the test plugin of methods that break the engine's contract on the server's PYTHONPATH)
+    path = os.pathsep.join(filter(None, [CONTRACT_BREAKER, os.environ.get("PYTHONPATH")]))
+    return Server(model=model, method="full", extra=[*FLAGS, *flags],
+                  env_extra={"VLLM_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": path})
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,20 @@ def test_a_method_deciding_across_heads_is_a_400_under_tensor_parallelism(one, t
         client.completions.create(model=model, prompt=prompts(1)[0], max_tokens=4,
                                   extra_body={"vllm_xargs": {"kvtrim": "tova:budget=64"}})
     assert answers(one.url, ["tova:budget=128"])  # (served by one worker)
+
+
+def test_a_compaction_failing_on_one_rank_only_ends_its_request_and_the_server_goes_on(tp2, one):
+    """A method raising on tensor-parallel rank 1 only (tests/data/contract_breaker `raises_on_rank_one`): vLLM hands
+    the scheduler rank 0's output, yet the request ends with an error its client sees (the ranks gather their
+    failures), and the server goes on answering as one worker."""
+    client = openai.OpenAI(base_url=tp2.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.APIStatusError):
+        client.completions.create(model=model, prompt=prompts(1)[0], max_tokens=8, temperature=0,
+                                  extra_body={"vllm_xargs": {"kvtrim": "raises_on_rank_one:compression_ratio=0.5"}})
+    assert "the score failed on purpose (on tensor-parallel rank 1)" in tp2.tail(100000)
+    assert answers(tp2.url, SPECS[:2]) == answers(one.url, SPECS[:2])
+    wait_idle(tp2.url, held=context_blocks(tp2), pool=63)
 
 
 def test_a_mixed_load_and_an_abort_at_tensor_parallel_2_leave_the_pool_empty(tp2, one):

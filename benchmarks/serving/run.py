@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=100,
                    help="KV blocks of every server (--num-gpu-blocks-override; default 100)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's --max-num-seqs (default 64)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM's --tensor-parallel-size for every server (default 1; the ranks' threads bound apart)")
     p.add_argument("--requests", type=int, default=24, help="concurrent requests, all sent at once (default 24)")
     p.add_argument("--prompt-tokens", type=int, default=3000, help="passkey prompt length in tokens (default 3000)")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
@@ -119,15 +121,19 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def vllm_flags(args) -> list[str]:
     return ["--num-gpu-blocks-override", str(args.blocks), "--max-num-seqs", str(args.max_num_seqs),
-            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
+            *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size > 1 else [])]
 
 
 def config_of(args, samples) -> dict:
+    import launch
+
     n = [s.n_tokens for s in samples]
     return {"model": args.model, "blocks": args.blocks, "max_num_seqs": args.max_num_seqs, "requests": args.requests,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "seed": args.seed, "poll_s": args.poll,
             "vllm_flags": vllm_flags(args),
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": launch.thread_binding(args.tensor_parallel_size)},
             "prompt_tokens_measured": {"min": min(n), "max": max(n), "mean": sum(n) / len(n)}}
 
 
@@ -177,7 +183,8 @@ def run_one(args, label: str, method: str | None, samples, out: pathlib.Path) ->
     record = {"label": label, "server": "vllm" if method is None else "kvtrim serve", "method": method,
               "loadavg_before": list(os.getloadavg())}
     print(f"[{label}] starting the server ...", flush=True)
-    server = Server(args.model, method, vllm_flags(args), out / "logs" / f"{slug(label)}.log", args.server_timeout)
+    server = Server(args.model, method, vllm_flags(args), out / "logs" / f"{slug(label)}.log", args.server_timeout,
+                    ranks=args.tensor_parallel_size)
     try:
         record["server_start_s"] = server.start_s
         print(f"[{label}] up in {server.start_s:.0f} s; warm-up, then {args.requests} requests", flush=True)

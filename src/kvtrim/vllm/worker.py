@@ -17,9 +17,9 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
 * a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) starts
   with nothing discarded;
 * a compaction that fails for one request (its count disagrees with the scheduler's, or the method raises)
-  never stops the engine: the error is logged and handed to the scheduler with the step's output
-  (`FAILED_ATTR` on the `ModelRunnerOutput`), which ends that request with an error
-  (`TrimScheduler.update_from_output`) while every other request goes on;
+  never stops the engine: the error is logged and handed to the scheduler with the step's output (`FAILED_ATTR`
+  on the `ModelRunnerOutput`; every rank's failures under tensor parallelism, `kvtrim.vllm.ranks`), which ends
+  that request with an error (`TrimScheduler.update_from_output`) while every other request goes on;
 * the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported): after
   `load_model` one `QueryTap` is attached to every attention layer and `kvtrim_attention` says whether
   every layer's impl is kvtrim's (else a request whose method needs queries fails, below); each forward
@@ -55,6 +55,7 @@ from kvtrim.vllm.compact import compact
 from kvtrim.vllm.contexts import ContextEntries
 from kvtrim.vllm.entries import RequestEntries
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
+from kvtrim.vllm.ranks import gather_failures
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import layout as cpu_vec
@@ -300,6 +301,8 @@ class TrimModelRunner(CPUModelRunner):
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in due:
             self._compact(req_id, plan, end)
+        if due:  # (the same steps on every tensor-parallel rank: the plan's)
+            self._kvtrim_failed = gather_failures(self._kvtrim_failed)
         for req_id in scheduler_output.finished_req_ids:
             req = self.kvtrim_requests.get(req_id)
             if req is not None and req.later_compactions:

@@ -37,3 +37,25 @@ class RaisesInScore(ScoringMethod):
         if view.keys.shape[-1] != 8:  # the stand-in keys (head_dim 8), should a planner ever score them
             raise RuntimeError("raises_in_score: the score failed on purpose")
         return -view.keys.float().norm(dim=-1)
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesOnRankOne(ScoringMethod):
+    """A method whose `score` raises on tensor-parallel rank 1 only (rank 0 and one worker compact fine): vLLM
+    hands the scheduler rank 0's output, so the server must still end its request with an error its client sees
+    (tests/test_vllm_parallel.py)."""
+
+    name = "raises_on_rank_one"
+    summary = "test only: KNorm whose score raises on tensor-parallel rank 1"
+
+    def score(self, view):
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - no vLLM, or no parallel group (a planner's process)
+            rank = 0
+        if rank == 1:
+            raise RuntimeError("raises_on_rank_one: the score failed on purpose")
+        return -view.keys.float().norm(dim=-1)
