@@ -806,3 +806,20 @@ def test_aborts_while_a_context_is_shared_or_registered_leave_nothing_behind():
     assert step(s, plans=True)[1] == {} and s.trim.states["r1"].reads is context
     run_all(s)
     assert [b.ref_cnt for b in context.held()] == [1] * 4 and free_blocks(s) == 40 - 4
+
+
+def test_resetting_the_prefix_cache_forgets_the_shared_contexts():
+    """vLLM's `reset_prefix_cache` (`/reset_prefix_cache`): the registry lets go of its contexts (the worker is
+    told with the next step), the reset succeeds with every block free, and a later question computes its context
+    again."""
+    s = make_scheduler(40, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    send("c0", doc + [1, 2], spec, 100, max_tokens=1)
+    run_all(s)
+    (context,) = s.trim.contexts.contexts.values()
+    assert free_blocks(s) == 40 - 4
+    assert s.reset_prefix_cache() and free_blocks(s) == 40 and not s.trim.contexts.contexts
+    send("c1", doc + [3], spec, 100, max_tokens=1)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"c1": 100} and getattr(out, PLAN_ATTR).released == (context.id,)

