@@ -823,3 +823,36 @@ def test_resetting_the_prefix_cache_forgets_the_shared_contexts():
     send("c1", doc + [3], spec, 100, max_tokens=1)
     out = s.schedule()
     assert out.num_scheduled_tokens == {"c1": 100} and getattr(out, PLAN_ATTR).released == (context.id,)
+
+
+def test_preempted_readers_of_a_shared_context_start_from_it_again():
+    """Admission as vLLM's (`--admission vllm`) on a 16-block pool: a registered context (4 blocks) and five readers
+    of 100 new tokens each, admitted by their questions and preempted as they grow; each preempted reader starts
+    from the context again (its tokens after the context recomputed as one forward, no compaction ever), every one
+    gets its tokens, and the pool ends holding only the context."""
+    s = make_scheduler(16, prefix_caching=True, admission="vllm")
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    send("c0", doc + [1, 2], spec, 100, max_tokens=1)
+    run_all(s)
+    (context,) = s.trim.contexts.contexts.values()
+    for i in range(5):
+        send(f"r{i}", doc + [10 + i] * 20, spec, 100, max_tokens=100)
+    starts, preempted, done = 0, 0, {}
+    for _ in range(3000):
+        if not s.has_requests():
+            break
+        out = s.schedule()
+        plan = getattr(out, PLAN_ATTR)
+        assert not plan.due and all(c == context.id for c, _ in plan.adopted.values())
+        starts += len(plan.adopted)
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
+        for r in ids:
+            preempted = max(preempted, s.requests[r].num_preemptions)
+            done[r] = len(s.requests[r].output_token_ids) + len(sampled[ids.index(r)])
+        s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                    sampled_token_ids=sampled))
+    assert not s.has_requests() and preempted > 0 and starts > 5
+    assert all(done[f"r{i}"] == 100 for i in range(5))
+    assert free_blocks(s) == 16 - 4 and [b.ref_cnt for b in context.held()] == [1] * 4
