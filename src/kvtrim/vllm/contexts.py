@@ -77,9 +77,6 @@ class ContextRegistry:
         self._next_id = 0
         #: counts the scheduler's steps (`take_released` ends one)
         self.step = 0
-        #: contexts registered and released so far, and the most held at once (logs, benchmarks)
-        self.registered = 0
-        self.most_held = 0
 
     def find(self, key: tuple) -> SharedContext | None:
         """The context of `key` (now the most recently used), or None."""
@@ -100,8 +97,6 @@ class ContextRegistry:
         """Register `context` (its key is not registered), whose blocks the caller gave it a reference to."""
         assert context.key not in self.contexts
         self.contexts[context.key] = context
-        self.registered += 1
-        self.most_held = max(self.most_held, len(self.contexts))
 
     def make_room(self, needed: int) -> None:
         """Release idle contexts, least recently used first, until the pool has `needed` free blocks (or none

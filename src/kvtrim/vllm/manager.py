@@ -52,8 +52,7 @@ from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.planning import (Due, StoredCounts, blocks_needed, never_fits, plan_forward, prompt_block,
                                   request_peak, request_total, slots_held)
 from kvtrim.vllm.contexts import ContextRegistry, SharedContext, context_key
-from kvtrim.vllm.spec import (context_refusal, parallel_refusal, reads_prefix_cache, request_context,
-                              shares_context)
+from kvtrim.vllm.spec import reads_prefix_cache, request_context, request_refusal, shares_context
 from kvtrim.vllm.worker_check import check_vllm_version
 
 check_vllm_version()
@@ -157,9 +156,7 @@ class TrimAttentionManager(FullAttentionManager):
         state = self.states[request.request_id] = TrimRequest(request, method, request.num_prompt_tokens)
         try:
             context = request_context(request.sampling_params)
-            why = parallel_refusal(method, self.tensor_parallel)
-            if why is None and context is not None:
-                why = context_refusal(method, context, request.num_prompt_tokens)
+            why = request_refusal(method, context, request.num_prompt_tokens, self.tensor_parallel)
         except Exception as err:  # noqa: BLE001 - (the front end refuses bad values: a last guard)
             context, why = None, one_line(err)
         if why is not None:

@@ -20,13 +20,13 @@ from vllm.platforms.cpu import CpuPlatform
 from kvtrim.methods.base import KvtrimError
 from kvtrim.vllm.config import server_method
 from kvtrim.vllm.planning import never_fits, request_peak, request_total
-from kvtrim.vllm.spec import context_refusal, parallel_refusal, request_context, request_method
+from kvtrim.vllm.spec import request_context, request_method, request_refusal
 
 
 def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
     """Why a request of `prompt_tokens` with `params` (`SamplingParams`) can never run in the server of
-    `vllm_config` (one line): its method cannot run on the server's tensor-parallel ranks (`parallel_refusal`), its
-    context cannot be compressed (`context_refusal`), or it can never fit the pool;
+    `vllm_config` (one line): its method or context is refused there (`request_refusal`), or it can never fit the
+    pool;
     or None (also when the pool's size is not known yet, or the request is one vLLM refuses itself)."""
     pool = vllm_config.cache_config.num_gpu_blocks  # set by vLLM's engine client once the engine has started
     max_len = vllm_config.model_config.max_model_len
@@ -37,9 +37,8 @@ def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
         context = request_context(params)
     except KvtrimError:  # a bad spec or context: `MethodSpecCheck` refused it already
         return None
-    if (why := parallel_refusal(method, vllm_config.parallel_config.tensor_parallel_size)) is not None:
-        return why
-    if context is not None and (why := context_refusal(method, context, prompt_tokens)) is not None:
+    why = request_refusal(method, context, prompt_tokens, vllm_config.parallel_config.tensor_parallel_size)
+    if why is not None:
         return why
     if not pool:
         return None

@@ -85,6 +85,17 @@ def parallel_refusal(method: EvictionMethod | None, tensor_parallel: int) -> str
     return None
 
 
+def request_refusal(method: EvictionMethod | None, context: int | None, prompt_tokens: int,
+                    tensor_parallel: int) -> str | None:
+    """Why a request of `prompt_tokens` under `method`, naming `context` (None: none), cannot run on a server of
+    `tensor_parallel` ranks (one line: `parallel_refusal`, then `context_refusal`), or None. The one rule of the
+    server's front end (a 400) and of the scheduler's manager (its guard)."""
+    why = parallel_refusal(method, tensor_parallel)
+    if why is None and context is not None:
+        why = context_refusal(method, context, prompt_tokens)
+    return why
+
+
 def prompt_sums(method: EvictionMethod | None) -> bool:
     """True for a method that reads its prompt's attention as the column sums of its causal attention
     (`prompt_attention_summary = "sums"`; H2O: its accumulated scores start with them): the engine adds each

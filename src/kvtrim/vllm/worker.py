@@ -373,7 +373,7 @@ class TrimModelRunner(CPUModelRunner):
         if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
             index, old, new = (list(c) for c in zip(*plan.copies))
             copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
-            replace_blocks(self.requests[req_id], self.input_batch, req_id, index, new)
+            replace_blocks(state, self.input_batch, req_id, index, new)
         block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         try:
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
@@ -405,8 +405,8 @@ class TrimModelRunner(CPUModelRunner):
             if plan.registers is not None:  # its context, shared from now on: its entries, its last block copied
                 context, tail = plan.registers
                 if tail is not None:
-                    last = block_ids[(end - gone) // self.input_batch.block_table[0].block_size]
-                    copy_blocks(self.kv_caches, last.view(1), torch.tensor([tail]))
+                    partly_filled = block_ids[(end - gone) // self.input_batch.block_table[0].block_size]
+                    copy_blocks(self.kv_caches, partly_filled.view(1), torch.tensor([tail]))
                 self.kvtrim_contexts[context] = ContextEntries.of(entries)
         except Exception as err:  # noqa: BLE001 - one request's failure must not stop the engine
             why = one_line(err)
@@ -415,10 +415,10 @@ class TrimModelRunner(CPUModelRunner):
             # until it ends, its slots follow the scheduler's count (its entries no longer matter)
             req.discarded = expected
             entries.hole = None
-            drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
+            drop_tail_blocks(state, self.input_batch, req_id, slots_held(plan))
             return
         req.discarded = gone
-        drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
+        drop_tail_blocks(state, self.input_batch, req_id, slots_held(plan))
         self.kvtrim_compactions += 1
         self.kvtrim_evicted += gone - before
         seconds = time.perf_counter() - start
