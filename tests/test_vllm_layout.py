@@ -16,7 +16,8 @@ from kvtrim.vllm.block_io import fill_holes  # noqa: E402
 from kvtrim.vllm.compact import compact  # noqa: E402
 from kvtrim.vllm.entries import RequestEntries  # noqa: E402
 from kvtrim.vllm.planning import StoredCounts, forward_steps  # noqa: E402
-from kvtrim.vllm.layout import move_entries, read_keys, read_request, slot_places, write_entries  # noqa: E402
+from kvtrim.vllm.layout import (move_entries, read_keys, read_request, slot_places, table_key_logits,  # noqa: E402
+                               write_entries)
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 from test_vllm_counts import block_forwards  # noqa: E402
 
@@ -229,17 +230,23 @@ def reference_kept(method, layers, prompt):
     return kept
 
 
-def request_caches(blocks, n, n_layers, dtype, seed):
+def layer_caches(n_layers, dtype, one_allocation=False):
+    """Per layer an empty cache: each its own tensor, or (`one_allocation`) views of one, back to back, as vLLM
+    allocates them (`layers_as_blocks` then moves every layer's entries at once)."""
+    if one_allocation:
+        return list(torch.zeros(n_layers, NB, H, BS, 2 * D, dtype=dtype).unbind(0))
+    return [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
+
+
+def request_caches(blocks, n, n_layers, dtype, seed, one_allocation=False):
     """Per layer a fresh cache holding a request's `n` random entries (written by vLLM's kernel), and the
     entries `(h, n, d)` themselves."""
     torch.manual_seed(seed)
-    caches, originals = [], []
-    for _ in range(n_layers):
+    caches, originals = layer_caches(n_layers, dtype, one_allocation), []
+    for cache in caches:
         keys = (torch.randn(n, H, D) * torch.linspace(0.5, 2, D)).to(dtype)
         values = torch.randn(n, H, D).to(dtype)
-        cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
         kernel_write(cache, keys, values, request_slots(blocks, n))
-        caches.append(cache)
         originals.append((keys.transpose(0, 1), values.transpose(0, 1)))
     return caches, originals
 
@@ -280,8 +287,8 @@ def test_compaction_keeps_trimcache_positions(spec, dtype):
 @pytest.mark.parametrize("spec", ["lagkv:lag_size=16:sink_size=4", "lagkv:keep_ratio=0.25:lag_size=8:sink_size=2",
                                   "keydiff:budget=40:block_size=16", "keydiff:budget=50:block_size=8:sink_size=4",
                                   "streaming:budget=40", "streaming:budget=30:sink_size=2"])
-@pytest.mark.parametrize("layer_group", [10, 2])
-def test_decoding_compactions_keep_trimcache_positions(spec, dtype, layer_group, monkeypatch):
+@pytest.mark.parametrize("layer_group,one_allocation", [(10, False), (2, False), (10, True)])
+def test_decoding_compactions_keep_trimcache_positions(spec, dtype, layer_group, one_allocation, monkeypatch):
     """The engine's path, token by token: each decode step's entry lands at the slot after what the request
     stores (or in the hole the last compaction left), the stand-in says which steps are due, and those compact
     the blocks (methods whose layers are alike decide them in batches of `layer_group` layers). The blocks end
@@ -291,7 +298,7 @@ def test_decoding_compactions_keep_trimcache_positions(spec, dtype, layer_group,
     method = method_for_vllm(spec)
     prompt, new, n_layers = 2 * BS + 5, 70, 3
     blocks = torch.tensor([9, 4, 11, 0, 7, 2])
-    caches, originals = request_caches(blocks, prompt, n_layers, dtype, seed=3)
+    caches, originals = request_caches(blocks, prompt, n_layers, dtype, seed=3, one_allocation=one_allocation)
     torch.manual_seed(4)
     more = [((torch.randn(new, H, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(new, H, D).to(dtype))
             for _ in range(n_layers)]
@@ -451,8 +458,8 @@ def test_snapkv_prompt_blocks_get_each_blocks_queries(spec, chunk, dtype):
                                   "h2o:budget=100", "h2o:compression_ratio=0.5", "h2o:heavy_budget=10:recent_budget=20",
                                   "lazyeviction:budget=40:window=8:alpha=0.02", "lazyeviction:budget=100:window=16",
                                   "lazyeviction:budget=30:window=5:alpha=0.03:gqa=per_query_head"])
-@pytest.mark.parametrize("tail", [0, 3])
-def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
+@pytest.mark.parametrize("tail,one_allocation", [(0, False), (3, False), (0, True)])
+def test_decoding_compactions_get_their_steps_attention(spec, tail, one_allocation, dtype):
     """TOVA, H2O and LazyEviction in the engine, token by token: the prompt's compaction gets each layer's last
     prompt queries (TOVA: the last one; H2O: its prompt's attention column sums instead, added up in prefill chunks
     of 16 rows by `add_prompt_sums`), every due forward after it the queries of its tokens after the
@@ -475,7 +482,7 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     originals = [((torch.randn(H, total, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(H, total, D).to(dtype))
                  for _ in range(n_layers)]
     queries = [(torch.randn(q_heads, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(n_layers)]
-    caches = [torch.zeros(NB, H, BS, 2 * D, dtype=dtype) for _ in range(n_layers)]
+    caches = layer_caches(n_layers, dtype, one_allocation)
     counts, entries, gone, due_decodes, live_layers = StoredCounts(method), RequestEntries(), 0, 0, set()
     first = prompt + tail
     for start, end in [(0, first)] + [(t, t + 1) for t in range(first, total)]:
@@ -492,9 +499,15 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
                 for c in range(0, prompt, 16):
                     add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c,
                                     [scale] * n_layers, method.prefill_block)
+            last, step_logits = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, None
+            if one_allocation and end > first:  # the step's logits as kvtrim's attention backend computes them
+                stored = end - gone
+                step_logits = torch.stack([table_key_logits(kv, blocks[None, :-(-stored // BS)], q[None, :, 0])
+                                           for kv, q in zip(caches, last)])[:, 0, :, None, :stored]
+                last = torch.stack(last)
             gone = compact(caches, blocks, method, entries, steps, end, prompt,
                            None if sums else [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
-                           [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, sums)
+                           last, sums, step_logits=step_logits)
             assert gone == counts.discarded
             due_decodes += end > first
             if end > first:  # one decision layer, resumed at the first decode step, takes every later one
@@ -519,3 +532,24 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, dtype):
     assert due_decodes >= 2 and gone == total - reference[0].shape[-1]
     assert_holds(caches, blocks, originals, reference, entries)
     assert any(not torch.equal(e, reference[0]) for e in reference[1:])  # each layer's own attention decided it
+
+
+def test_layers_as_blocks_views_every_layer_only_when_they_lie_back_to_back():
+    """One view of every layer's cache when vLLM's one allocation holds them back to back (layer `l`'s block `b`
+    is the view's block `l * NB + b`), and a block copy through it is each layer's own; None for layers apart."""
+    from kvtrim.vllm.block_io import copy_blocks, layers_as_blocks
+
+    caches = layer_caches(3, torch.float32, one_allocation=True)
+    for idx, cache in enumerate(caches):
+        cache.copy_(torch.randn_like(cache) + 10 * idx)
+    stacked = layers_as_blocks(caches)
+    assert stacked is not None and stacked.shape == (3 * NB, H, BS, 2 * D)
+    assert all(torch.equal(stacked[idx * NB + 5], cache[5]) for idx, cache in enumerate(caches))
+    expected = [c.clone() for c in caches]
+    for e in expected:
+        e[[7, 2]] = e[[1, 4]]
+    copy_blocks(caches, torch.tensor([1, 4]), torch.tensor([7, 2]))
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected))
+    assert layers_as_blocks(layer_caches(3, torch.float32)) is None  # each its own tensor
+    assert layers_as_blocks(caches[::2]) is None  # a layer between them
+    assert layers_as_blocks(caches[1:]) is not None

@@ -43,7 +43,8 @@ LAYOUTS = {"vec": cpu_vec, "amx": layout_amx}
 def request_cost(spec: str, layout=cpu_vec) -> dict:
     """One request's planning and compactions under `spec` on the blocks of `layout`, timed (module docstring)."""
     method = parse_method_spec(spec).build()
-    caches = [torch.randn(POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+    # every layer's cache in one allocation, back to back, as vLLM allocates them (`layers_as_blocks`)
+    caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
     blocks = torch.arange(0, -(-(PROMPT + OUTPUT) // BLOCK))
     entries, counts, discarded = RequestEntries(), None, 0
     fresh = torch.randn(2, PROMPT + OUTPUT, KV_HEADS, HEAD_DIM).bfloat16()  # (k/v, token, head, d)

@@ -44,9 +44,36 @@ def add_prompt_sums(sums: list[torch.Tensor], kv_caches: list[torch.Tensor], blo
 
 
 
+def layers_as_blocks(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """Every layer's cache `(num_blocks, ...)` as one view `(layers * num_blocks, ...)` (layer `l`'s block `b` is
+    its block `l * num_blocks + b`), when the layers lie back to back in one allocation, as vLLM places them
+    (`KVCacheTensor`: one backing allocation, layer-outermost); None otherwise. One indexed copy then moves the
+    entries of every layer (`move_layers_entries`, `copy_blocks`) instead of one per layer."""
+    first = kv_caches[0]
+    nb, step, storage = first.shape[0], first.shape[0] * first.stride(0), first.untyped_storage().data_ptr()
+    for idx, kv in enumerate(kv_caches):
+        if (kv.shape != first.shape or kv.stride() != first.stride() or kv.dtype != first.dtype
+                or kv.untyped_storage().data_ptr() != storage
+                or kv.storage_offset() != first.storage_offset() + idx * step):
+            return None
+    return first.as_strided((len(kv_caches) * nb, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def layer_blocks(blocks: torch.Tensor, layers: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The blocks `blocks` of layers `layers` (broadcast together) as blocks of `layers_as_blocks`' view."""
+    return blocks + layers * num_blocks
+
+
 def copy_blocks(kv_caches: list[torch.Tensor], sources: torch.Tensor, targets: torch.Tensor) -> None:
     """Copy blocks `sources[i]` into blocks `targets[i]` `(m,)` in every layer's cache (whole blocks: the same
     in any layout, whose caches are `(num_blocks, ...)` views): a copy on write before a compaction writes them."""
+    stacked = layers_as_blocks(kv_caches)
+    if stacked is not None:  # one copy for every layer
+        layers = torch.arange(len(kv_caches))[:, None]
+        nb = kv_caches[0].shape[0]
+        stacked.index_copy_(0, layer_blocks(targets, layers, nb).flatten(),
+                            stacked.index_select(0, layer_blocks(sources, layers, nb).flatten()))
+        return
     for kv in kv_caches:
         kv.index_copy_(0, targets, kv.index_select(0, sources))
 
@@ -101,6 +128,12 @@ def move_layers_entries(layout: BlockLayout, kv_caches: list[torch.Tensor], bloc
     if rows.numel():
         block_size = kv_caches[0].shape[2]
         source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+        stacked = layers_as_blocks(kv_caches)
+        if stacked is not None:  # every layer's moves in one copy
+            layers, nb = rows // h, kv_caches[0].shape[0]
+            layout.move_entries(stacked, rows % h, (layer_blocks(source[0], layers, nb), source[1]),
+                                (layer_blocks(target[0], layers, nb), target[1]))
+            return order.view(n_layers, h, n_keep)
         per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
         parts = [t.split(per_layer) for t in (rows % h, *source, *target)]
         for idx, (heads, src_blk, src_off, dst_blk, dst_off) in enumerate(zip(*parts)):

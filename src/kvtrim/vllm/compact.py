@@ -22,7 +22,8 @@ from kvtrim.attention import softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm import layout as cpu_vec
-from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, move_layers_entries, read_stored, store_moves
+from kvtrim.vllm.block_io import (fill_holes, fill_layers_holes, layer_blocks, layers_as_blocks, move_layers_entries,
+                                  read_stored, store_moves)
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import decide, hand_over, kept_slots
 from kvtrim.vllm.entries import RequestEntries, per_tensor
@@ -159,8 +160,15 @@ def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_p
     if heads.numel():
         block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
         source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
-        for kv in kv_caches:
-            layout.move_entries(kv, heads, source, target)
+        stacked = layers_as_blocks(kv_caches)
+        if stacked is not None:  # every layer's moves in one copy
+            layers, nb = torch.arange(len(kv_caches))[:, None], kv_caches[0].shape[0]
+            layout.move_entries(stacked, heads.expand(len(kv_caches), -1).flatten(),
+                                (layer_blocks(source[0], layers, nb).flatten(), source[1].repeat(len(kv_caches))),
+                                (layer_blocks(target[0], layers, nb).flatten(), target[1].repeat(len(kv_caches))))
+        else:
+            for kv in kv_caches:
+                layout.move_entries(kv, heads, source, target)
     return n_keep, slot_positions.gather(-1, order), layer.state, None, None
 
 

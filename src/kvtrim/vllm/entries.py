@@ -1,13 +1,14 @@
-"""What the worker knows of a request's stored entries between compactions: which token each slot holds."""
+"""What the worker knows of a request between compactions: which token each slot holds (`RequestEntries`), and
+the rest of its state (`WorkerRequest`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvtrim.methods.base import check
+from kvtrim.methods.base import EvictionMethod, check
 
 
 @dataclass
@@ -65,3 +66,23 @@ def per_tensor(tensors: list[torch.Tensor], f) -> list[torch.Tensor]:
             done[id(t)] = f(t)
     return [done[id(t)] for t in tensors]
 
+
+@dataclass
+class WorkerRequest:
+    """The worker's state of one request, from its first forward (again after a preemption: it is recomputed)
+    until it finishes or is aborted (`TrimModelRunner._kvtrim_forget`, the one cleanup path; the attention
+    hand-off's copies of its queries go with it)."""
+
+    #: its method (None: `full`)
+    method: EvictionMethod | None
+    #: the tokens its method is told as its prompt: its context (`kvtrim_context`) when it names one, else its prompt
+    prompt_tokens: int = 0
+    #: what its stored entries are (positions per slot, the method's per-layer state)
+    entries: RequestEntries = field(default_factory=RequestEntries)
+    #: entries discarded by compaction (what it stores = its tokens - discarded), as the scheduler's plans say
+    discarded: int = 0
+    #: per layer, the column sums `(kv_heads, prompt)` float32 of its prompt's causal attention so far (a method
+    #: given them, `prompt_sums`: H2O), added after each prefill chunk's forward
+    prompt_sums: list[torch.Tensor] | None = None
+    #: its compactions after its prompt so far (one log line when it ends, not one per compaction)
+    later_compactions: int = 0

@@ -43,17 +43,15 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
-from kvtrim.vllm.block_io import add_prompt_sums, copy_blocks
+from kvtrim.vllm.block_io import add_prompt_sums, copy_blocks, layers_as_blocks
 from kvtrim.vllm.block_table import drop_tail_blocks, replace_blocks
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.contexts import ContextEntries
-from kvtrim.vllm.entries import RequestEntries
+from kvtrim.vllm.entries import WorkerRequest
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
 from kvtrim.vllm.ranks import gather_failures
 from kvtrim.vllm.config import refuse_features, server_method
@@ -76,27 +74,6 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
 from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 
 logger = init_logger("vllm.kvtrim")  # under vLLM's logger, so its handler prints it
-
-
-@dataclass
-class WorkerRequest:
-    """The worker's state of one request, from its first forward (again after a preemption: it is recomputed)
-    until it finishes or is aborted (`TrimModelRunner._kvtrim_forget`, the one cleanup path; the attention
-    hand-off's copies of its queries go with it)."""
-
-    #: its method (None: `full`)
-    method: EvictionMethod | None
-    #: the tokens its method is told as its prompt: its context (`kvtrim_context`) when it names one, else its prompt
-    prompt_tokens: int = 0
-    #: what its stored entries are (positions per slot, the method's per-layer state)
-    entries: RequestEntries = field(default_factory=RequestEntries)
-    #: entries discarded by compaction (what it stores = its tokens - discarded), as the scheduler's plans say
-    discarded: int = 0
-    #: per layer, the column sums `(kv_heads, prompt)` float32 of its prompt's causal attention so far (a method
-    #: given them, `prompt_sums`: H2O), added after each prefill chunk's forward
-    prompt_sums: list[torch.Tensor] | None = None
-    #: its compactions after its prompt so far (one log line when it ends, not one per compaction)
-    later_compactions: int = 0
 
 
 class TrimModelRunner(CPUModelRunner):
@@ -195,6 +172,10 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_layout = block_layout(CPU_BACKEND, isa=_get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                                                                           self.cache_config.cache_dtype))
         self.kvtrim_tap.layout = self._kvtrim_layout
+        if self.kv_caches:
+            logger.info("kvtrim: the KV caches of the %d layers %s", len(self.kv_caches),
+                        "lie back to back: one copy moves entries in all" if layers_as_blocks(self.kv_caches) is not None
+                        else "lie apart: entries move layer by layer")
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         batch = self.input_batch
