@@ -470,23 +470,47 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, one_allocati
     made each decode step's output (in-place decoding, as generate runs it); `tail`: a recomputed request's
     tokens after its prompt in the prompt's forward (an append). The decode steps run on one decision layer
     kept between them (`LiveDecode`), not on one resumed at each step."""
+    prompt = 2 * BS + 5
+    first, total = prompt + tail, prompt + tail + 60
+    live_layers = decode_as_the_engine(spec, prompt, [(0, first)] + [(t, t + 1) for t in range(first, total)],
+                                       one_allocation, dtype)
+    assert len(live_layers) == 1
+
+
+@pytest.mark.parametrize("spec", ["tova:budget=40", "h2o:budget=40", "h2o:heavy_budget=10:recent_budget=20",
+                                  "lazyeviction:budget=40:window=8:alpha=0.02"])
+def test_a_multi_token_forward_between_decode_steps_leaves_the_live_layer(spec):
+    """An append between decode steps (tokens after the prompt in one forward) compacts the request from its
+    positions and the method's state as the live layer left them (in position order again, without its free
+    slot: `LiveInPlace.settled_state`); the decode steps after it run on a new live layer. The blocks still hold
+    what `TrimCache` keeps."""
+    prompt = 2 * BS + 5
+    forwards = ([(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + 25)] + [(prompt + 25, prompt + 28)]
+                + [(t, t + 1) for t in range(prompt + 28, prompt + 50)])
+    assert len(decode_as_the_engine(spec, prompt, forwards, True, torch.float32)) == 2
+
+
+def decode_as_the_engine(spec, prompt, forwards, one_allocation, dtype):
+    """Run the engine's compactions of a request under `spec` over `forwards` `(start, end)` (the prompt's first),
+    writing each forward's random entries where the engine writes them, and check that the blocks end up holding
+    what `TrimCache` keeps when kvtrim's attention hands it the same queries and probabilities (the module's
+    test above). Returns the live layers that took its decode steps."""
     from kvtrim.attention import attend_with_probabilities
     from kvtrim.vllm.block_io import add_prompt_sums
     from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
     method = method_for_vllm(spec)
-    prompt, new, n_layers, q_heads, scale = 2 * BS + 5, 60, 3, 3 * H, 0.125
-    total = prompt + tail + new
+    n_layers, q_heads, scale = 3, 3 * H, 0.125
+    total = forwards[-1][1]
     blocks = torch.tensor([9, 4, 11, 0, 7, 2, 5, 1])
     torch.manual_seed(8)
     originals = [((torch.randn(H, total, D) * torch.linspace(0.5, 2, D)).to(dtype), torch.randn(H, total, D).to(dtype))
                  for _ in range(n_layers)]
     queries = [(torch.randn(q_heads, total, D) * torch.linspace(0.5, 2, D)).to(dtype) for _ in range(n_layers)]
     caches = layer_caches(n_layers, dtype, one_allocation)
-    counts, entries, gone, due_decodes, live_layers = StoredCounts(method), RequestEntries(), 0, 0, set()
-    first = prompt + tail
-    for start, end in [(0, first)] + [(t, t + 1) for t in range(first, total)]:
-        hole = entries.fill_hole(start) if end > first else None
+    counts, entries, gone, due_decodes, live_layers = StoredCounts(method), RequestEntries(), 0, 0, []
+    for start, end in forwards:
+        hole = entries.fill_hole(start) if start > prompt else None
         slots = request_slots(blocks, end - gone)[start - gone:] if hole is None else request_slots(blocks, hole + 1)[-1:]
         for cache, (k, v) in zip(caches, originals):
             kernel_write(cache, k[:, start:end].transpose(0, 1).contiguous(), v[:, start:end].transpose(0, 1).contiguous(),
@@ -500,7 +524,7 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, one_allocati
                     add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c,
                                     [scale] * n_layers, method.prefill_block)
             last, step_logits = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, None
-            if one_allocation and end > first:  # the step's logits as kvtrim's attention backend computes them
+            if one_allocation and end == start + 1 > prompt:  # the step's logits as kvtrim's attention backend computes them
                 stored = end - gone
                 step_logits = torch.stack([table_key_logits(kv, blocks[None, :-(-stored // BS)], q[None, :, 0])
                                            for kv, q in zip(caches, last)])[:, 0, :, None, :stored]
@@ -509,29 +533,34 @@ def test_decoding_compactions_get_their_steps_attention(spec, tail, one_allocati
                            None if sums else [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
                            last, sums, step_logits=step_logits)
             assert gone == counts.discarded
-            due_decodes += end > first
-            if end > first:  # one decision layer, resumed at the first decode step, takes every later one
-                live_layers.add(id(entries.live.cache))
-    assert len(live_layers) == 1
+            due_decodes += end == start + 1 > prompt
+            if entries.live is not None and not any(c is entries.live.cache for c in live_layers):
+                live_layers.append(entries.live.cache)  # a decision layer, resumed at a decode step, takes later ones
     reference = []
     for idx, ((k, v), q) in enumerate(zip(originals, queries)):
         cache = TrimCache(method)
-        with cache.phase(Phase.PREFILL, ends_prompt=True):
-            cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
-        layer = cache.layers[idx]
-        layer.after_attention(q[None, :, :prompt], None, scale)
-        if tail:
-            with cache.phase(Phase.APPEND):
-                cache.update(k[None, :, prompt:first].clone(), v[None, :, prompt:first].clone(), idx)
-            layer.after_attention(q[None, :, prompt:first], None, scale)
-        for t in range(first, total):
-            full_k, full_v = cache.update(k[None, :, t:t + 1].clone(), v[None, :, t:t + 1].clone(), idx)
-            q_t = q[None, :, t:t + 1]
-            layer.after_attention(q_t, attend_with_probabilities(q_t, full_k, full_v, None, scale)[1], scale)
-        reference.append(layer.kept_positions()[0].sort(dim=-1).values)
+        for start, end in forwards:
+            if start == 0:  # the prompt (then any tokens after it in its forward: a recomputed request's, an append)
+                with cache.phase(Phase.PREFILL, ends_prompt=True):
+                    cache.update(k[None, :, :prompt].clone(), v[None, :, :prompt].clone(), idx)
+                cache.layers[idx].after_attention(q[None, :, :prompt], None, scale)
+                start = prompt
+            q_s = q[None, :, start:end]
+            if start == end:
+                continue
+            if end > start + 1:  # an append
+                with cache.phase(Phase.APPEND):
+                    cache.update(k[None, :, start:end].clone(), v[None, :, start:end].clone(), idx)
+                cache.layers[idx].after_attention(q_s, None, scale)
+            else:
+                full_k, full_v = cache.update(k[None, :, start:end].clone(), v[None, :, start:end].clone(), idx)
+                cache.layers[idx].after_attention(q_s, attend_with_probabilities(q_s, full_k, full_v, None, scale)[1],
+                                                  scale)
+        reference.append(cache.layers[idx].kept_positions()[0].sort(dim=-1).values)
     assert due_decodes >= 2 and gone == total - reference[0].shape[-1]
     assert_holds(caches, blocks, originals, reference, entries)
     assert any(not torch.equal(e, reference[0]) for e in reference[1:])  # each layer's own attention decided it
+    return live_layers
 
 
 def test_layers_as_blocks_views_every_layer_only_when_they_lie_back_to_back():

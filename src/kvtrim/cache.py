@@ -429,6 +429,17 @@ class TrimLayer(StoredLayer):
         self.kv = switch.evict(self.kv, keep, self._check_may_go_ragged)
         self.state = self.method.gather_state(self.state, keep.indices)
 
+    def fill_free_slots_from_last(self) -> torch.Tensor:
+        """After an in-place decode step that freed one slot per row (`EvictOne`): the entry in the last slot
+        fills each row's free slot, the method's state following (`gather_state`); the last slot is free
+        afterwards, for the next step's entry (kvtrim's vLLM worker moves the entries in its blocks the same
+        way, so the layer stays in the blocks' slot order). Returns the slot order applied
+        (`SlotKV.fill_free_from_last`)."""
+        check(getattr(self.kv, "free_slots", None) is not None, "fill_free_slots_from_last needs a freed slot per row")
+        order = self.kv.fill_free_from_last()
+        self.state = self.method.free_state(self.method.gather_state(self.state, order), self.kv.free_slots)
+        return order
+
     def _check_may_go_ragged(self) -> None:
         owner = self.owner
         check(owner is None or owner.kvtrim_attention,

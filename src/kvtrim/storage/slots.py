@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtrim.methods.base import check
 from kvtrim.storage.base import Keep
 from kvtrim.storage.dense import DenseKV, flat_rows
 
@@ -68,6 +69,25 @@ class SlotKV(DenseKV):
         self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.reshape(-1, values.shape[-1]))
         self.positions.view(-1).index_copy_(0, rows, positions.reshape(-1))
         self.free_slots = None
+
+    def fill_free_from_last(self) -> torch.Tensor:
+        """Each row's free slot takes the entry in the last slot, which is free afterwards (in every row: a row
+        whose free slot is the last moves nothing). Returns the slot order `(batch, kv_heads, slots)` applied:
+        slot `j` now holds the entry that was at slot `order[..., j]` (the last slot's, stale, included)."""
+        check(self.free_slots is not None, "fill_free_from_last needs a free slot in every row")
+        last = self.keys.shape[-2] - 1
+        b, h = self.free_slots.shape
+        order = torch.arange(last + 1, device=self.free_slots.device).expand(b, h, -1).clone()
+        into = self.free_slots[..., None]
+        order.scatter_(-1, into, last)
+        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
+            self.keys, self.values, self.positions = (t.contiguous() for t in (self.keys, self.values, self.positions))
+        # one entry per row moves: written in place (a row whose free slot is the last writes it onto itself)
+        self.positions.scatter_(-1, into, self.positions[..., last:])
+        for t in (self.keys, self.values):
+            t.scatter_(2, into[..., None].expand(b, h, 1, t.shape[-1]), t[:, :, last:].clone())
+        self.free_slots = torch.full_like(self.free_slots, last)
+        return order
 
     def evict(self, keep: Keep) -> None:
         """Keep the slots `keep.indices` `(b, h, k)` (in the order given); no slot is free afterwards."""

@@ -49,14 +49,22 @@ def layers_as_blocks(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
     its block `l * num_blocks + b`), when the layers lie back to back in one allocation, as vLLM places them
     (`KVCacheTensor`: one backing allocation, layer-outermost); None otherwise. One indexed copy then moves the
     entries of every layer (`move_layers_entries`, `copy_blocks`) instead of one per layer."""
+    global _STACKED
     first = kv_caches[0]
+    if _STACKED[0] is kv_caches and _STACKED[1] == (len(kv_caches), first.data_ptr(), kv_caches[-1].data_ptr()):
+        return _STACKED[2]  # the worker's list, asked at every compaction
     nb, step, storage = first.shape[0], first.shape[0] * first.stride(0), first.untyped_storage().data_ptr()
-    for idx, kv in enumerate(kv_caches):
-        if (kv.shape != first.shape or kv.stride() != first.stride() or kv.dtype != first.dtype
-                or kv.untyped_storage().data_ptr() != storage
-                or kv.storage_offset() != first.storage_offset() + idx * step):
-            return None
-    return first.as_strided((len(kv_caches) * nb, *first.shape[1:]), first.stride(), first.storage_offset())
+    stacked = None
+    if all(kv.shape == first.shape and kv.stride() == first.stride() and kv.dtype == first.dtype
+           and kv.untyped_storage().data_ptr() == storage and kv.storage_offset() == first.storage_offset() + idx * step
+           for idx, kv in enumerate(kv_caches)):
+        stacked = first.as_strided((len(kv_caches) * nb, *first.shape[1:]), first.stride(), first.storage_offset())
+    _STACKED = (kv_caches, (len(kv_caches), first.data_ptr(), kv_caches[-1].data_ptr()), stacked)
+    return stacked
+
+
+#: the last list `layers_as_blocks` was asked about, its length and first and last layers' addresses, and its answer
+_STACKED: tuple = (None, None, None)
 
 
 def layer_blocks(blocks: torch.Tensor, layers: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -120,23 +128,30 @@ def fill_layers_holes(kept: torch.Tensor, n_keep: int) -> tuple[list[tuple], tor
 def move_layers_entries(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, kept: torch.Tensor,
                         n_keep: int) -> torch.Tensor:
     """`fill_holes` in every layer of `kept` `(layers, kv_heads, stored)` of a method whose values were not read:
-    the kept entries past `n_keep` copied inside the pool into the slots below it that lost theirs, the places of
-    every layer's moves worked out at once (one `slot_places` per side, not one per layer). Returns `order`
-    `(layers, kv_heads, n_keep)`."""
+    the kept entries past `n_keep` copied inside the pool into the slots below it that lost theirs
+    (`move_slots`). Returns `order` `(layers, kv_heads, n_keep)`."""
     n_layers, h, stored = kept.shape
     rows, from_slots, to_slots, order = fill_holes(kept.view(n_layers * h, stored), n_keep)  # rows in layer order
     if rows.numel():
-        block_size = kv_caches[0].shape[2]
-        source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
-        stacked = layers_as_blocks(kv_caches)
-        if stacked is not None:  # every layer's moves in one copy
-            layers, nb = rows // h, kv_caches[0].shape[0]
-            layout.move_entries(stacked, rows % h, (layer_blocks(source[0], layers, nb), source[1]),
-                                (layer_blocks(target[0], layers, nb), target[1]))
-            return order.view(n_layers, h, n_keep)
-        per_layer = torch.bincount(rows // h, minlength=n_layers).tolist()
-        parts = [t.split(per_layer) for t in (rows % h, *source, *target)]
-        for idx, (heads, src_blk, src_off, dst_blk, dst_off) in enumerate(zip(*parts)):
-            if heads.numel():
-                layout.move_entries(kv_caches[idx], heads, (src_blk, src_off), (dst_blk, dst_off))
+        move_slots(layout, kv_caches, block_ids, rows // h, rows % h, from_slots, to_slots)
     return order.view(n_layers, h, n_keep)
+
+
+def move_slots(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, layers: torch.Tensor,
+               heads: torch.Tensor, from_slots: torch.Tensor, to_slots: torch.Tensor) -> None:
+    """Copy the entry of KV head `heads[i]` of layer `layers[i]` (ascending) at the request's slot `from_slots[i]`
+    into its slot `to_slots[i]` (all `(m,)`), inside the pool: one copy for every layer when they lie back to back
+    (`layers_as_blocks`), else one per layer; the places of every move worked out at once."""
+    block_size = kv_caches[0].shape[2]
+    source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+    stacked = layers_as_blocks(kv_caches)
+    if stacked is not None:
+        nb = kv_caches[0].shape[0]
+        layout.move_entries(stacked, heads, (layer_blocks(source[0], layers, nb), source[1]),
+                            (layer_blocks(target[0], layers, nb), target[1]))
+        return
+    per_layer = torch.bincount(layers, minlength=len(kv_caches)).tolist()
+    parts = [t.split(per_layer) for t in (heads, *source, *target)]
+    for idx, (h, src_blk, src_off, dst_blk, dst_off) in enumerate(zip(*parts)):
+        if h.numel():
+            layout.move_entries(kv_caches[idx], h, (src_blk, src_off), (dst_blk, dst_off))

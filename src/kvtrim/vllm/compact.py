@@ -13,21 +13,18 @@ per layer and the method's per-layer state, as of its last compaction).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtrim.attention import softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm import layout as cpu_vec
-from kvtrim.vllm.block_io import (fill_holes, fill_layers_holes, layer_blocks, layers_as_blocks, move_layers_entries,
-                                  read_stored, store_moves)
+from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, move_layers_entries, move_slots, read_stored, store_moves
 from kvtrim.vllm.block_layout import BlockLayout
-from kvtrim.vllm.decide import decide, hand_over, kept_slots
+from kvtrim.vllm.decide import decide
 from kvtrim.vllm.entries import RequestEntries, per_tensor
-from kvtrim.vllm.layout import slot_places
+from kvtrim.vllm.live import LiveDecode, LiveInPlace, _in_place_decode_step, _live_decode_step
 from kvtrim.vllm.planning import Step, leaves_hole
 
 
@@ -75,8 +72,12 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     previous_live, entries.live = entries.live, None  # kept by a decode step that leaves a hole, or that reads attention
     decode_step = (method.attention_only_decode and last is not None and scales is not None and len(set(scales)) == 1
                    and len(steps) == 1 and steps[0].phase is Phase.DECODE and _groups_share_states(states, n_layers))
+    live_kind = LiveInPlace if method.in_place_decode else LiveDecode
+    follows = decode_step and isinstance(previous_live, live_kind) and previous_live.follows(told, old, states[0])
+    if isinstance(previous_live, LiveInPlace) and not follows:  # its state is in slot order: back to position order
+        states = [previous_live.settled_state()] * n_layers
     slot_positions = None  # (the live layer of an attention-fed decode step holds them)
-    if not (decode_step and isinstance(previous_live, LiveDecode) and previous_live.follows(told, old, states[0])):
+    if not follows:
         slot_positions = _extended(entries.positions, torch.arange(entries.seen, end).expand(h, -1), n_layers)
     if slot_positions is not None and not method.waits_for_attention and method.positions_only and all(
             p is slot_positions[0] or torch.equal(p, slot_positions[0]) for p in slot_positions[1:]):
@@ -88,11 +89,15 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
         # a decode step of a method that reads only its probabilities there: the request's decision layer, kept
         # from its last decode step (or resumed from its positions), takes the step; keys alone are read
         if slot_positions is not None:
-            previous_live = LiveDecode.resumed(method, torch.stack(slot_positions)[:, :, :old], states[0], told,
-                                               prompt_tokens)
-        n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
-        new_positions, kept_counts = list(live.slot_positions.unbind(0)), {n_keep}
-        new_states = [live.layer.state] * n_layers
+            previous_live = live_kind.resumed(method, torch.stack(slot_positions)[:, :, :old], states[0], told,
+                                              prompt_tokens)
+        if live_kind is LiveInPlace:  # in the blocks' slot order: the evicted entry's slot takes the step's token
+            n_keep, live, positions, state = _in_place_decode_step(kv_caches, block_ids, previous_live, last, scales[0],
+                                                                   layout, step_logits)
+        else:
+            n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
+            positions, state = live.slot_positions, live.layer.state
+        new_positions, new_states, kept_counts = list(positions.unbind(0)), [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (
             scales is None or len(set(scales)) == 1):
         new_positions, new_states, kept_counts = [], [], set()
@@ -158,17 +163,9 @@ def _compact_positions_only(method: EvictionMethod, kv_caches, block_ids, slot_p
         return n_keep, slot_positions, layer.state, int(lost[0, 1]), None
     heads, from_slots, to_slots, order = fill_holes(kept, n_keep)
     if heads.numel():
-        block_size = kv_caches[0].shape[2]  # where the moved entries lie: the same in every layer
-        source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
-        stacked = layers_as_blocks(kv_caches)
-        if stacked is not None:  # every layer's moves in one copy
-            layers, nb = torch.arange(len(kv_caches))[:, None], kv_caches[0].shape[0]
-            layout.move_entries(stacked, heads.expand(len(kv_caches), -1).flatten(),
-                                (layer_blocks(source[0], layers, nb).flatten(), source[1].repeat(len(kv_caches))),
-                                (layer_blocks(target[0], layers, nb).flatten(), target[1].repeat(len(kv_caches))))
-        else:
-            for kv in kv_caches:
-                layout.move_entries(kv, heads, source, target)
+        n_layers = len(kv_caches)  # the same moves in every layer
+        move_slots(layout, kv_caches, block_ids, torch.arange(n_layers).repeat_interleave(heads.numel()),
+                   heads.repeat(n_layers), from_slots.repeat(n_layers), to_slots.repeat(n_layers))
     return n_keep, slot_positions.gather(-1, order), layer.state, None, None
 
 
@@ -233,77 +230,6 @@ def _compact_as_one_batch(method: EvictionMethod, kv_caches, block_ids, slot_pos
             store_moves(layout, kv_caches[idx], block_ids, heads, from_slots, to_slots, keys[idx], values[idx])
     return n_keep, list(positions.gather(-1, order).unbind(0)), layer.state
 
-
-
-@dataclass
-class LiveDecode:
-    """A request's decision layer between the decode steps of a method that reads only its probabilities there
-    (`attention_only_decode`: TOVA, H2O, LazyEviction): one `TrimLayer` whose batch rows are the request's layers,
-    on stand-in keys in position order, with the method's state; it takes each decode step as transformers feeds
-    it one (`_live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
-    positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`."""
-
-    cache: TrimCache
-    slot_positions: torch.Tensor
-    by_position: torch.Tensor
-
-    @property
-    def layer(self) -> TrimLayer:
-        return self.cache.layers[0]
-
-    def follows(self, told: int, stored: int, state: Any) -> bool:
-        """True when the layer is where the request is: it has seen the `told` tokens before the step, holds the
-        `stored` entries and the method's `state` (nothing else compacted the request since)."""
-        layer = self.layer
-        return layer.seen == told and self.slot_positions.shape[-1] == stored and layer.state is state
-
-    @classmethod
-    def resumed(cls, method: EvictionMethod, slot_positions: torch.Tensor, state: Any, told: int,
-                prompt_tokens: int) -> LiveDecode:
-        """The layer resumed from the request's slot positions `(layers, h, stored)` and state after `told` tokens."""
-        by_position = slot_positions.argsort(dim=-1)
-        cache = TrimCache(method, in_place_decode=False)
-        layer = TrimLayer(method, 0, owner=cache, in_place_decode=False)
-        cache.layers.append(layer)
-        stand_in = torch.zeros(1, 1, 1, 1).expand(*slot_positions.shape, 1)
-        layer.resume(stand_in, stand_in, slot_positions.gather(-1, by_position), told,
-                     prompt_tokens if told >= prompt_tokens else None, layer.state if state is None else state)
-        return cls(cache, slot_positions, by_position)
-
-
-def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
-                      layout: BlockLayout = cpu_vec, logits: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
-    """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
-    (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
-    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in position
-    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). `logits`: the step's
-    `(layers, q_heads, 1, stored)` in slot order when kvtrim's attention backend computed them already (then no
-    key is read here). Returns the kept count and the live layer after the step."""
-    n_layers, h, old = live.slot_positions.shape
-    told = live.layer.seen
-    slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
-    by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
-    query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
-    if logits is None:
-        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
-    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
-    # each query head reads its KV head's entries: in position order, that head's own order
-    group = query.shape[1] // h
-    in_order = logits[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
-    probs = softmax_probabilities(in_order.view(n_layers, h * group, 1, old + 1), None, scale)
-    stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
-    with live.cache.phase(Phase.DECODE):
-        full = live.cache.update(stand_in, stand_in, 0)
-    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, probs)
-    if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
-        return old + 1, LiveDecode(live.cache, slot_positions, by_position)
-    kept, n_keep = kept_slots(live.layer, slot_positions)
-    order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)  # nothing read: copied inside the pool
-    # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
-    # (new slot j holds old slot `order[j]`)
-    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(n_layers, h, n_keep)
-    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(n_layers, h, n_keep))
-    return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), renumbered.gather(-1, old_slots))
 
 
 def _layer_group(method: EvictionMethod, n_layers: int) -> int:

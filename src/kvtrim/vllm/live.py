@@ -1,0 +1,188 @@
+"""A request's decision layer between the decode steps of a method that reads only its probabilities there
+(`attention_only_decode`: TOVA, H2O, LazyEviction), kept from one step to the next so that nothing is resumed per
+step (`kvtrim.vllm.compact` hands each such step to it):
+
+* `LiveInPlace` (methods that evict in place, `in_place_decode`: TOVA, H2O): the layer holds the request's entries
+  in the blocks' own slot order, as transformers' in-place decoding does; the step's logits (slot order, from
+  kvtrim's attention backend) are its probabilities as they come; the entry the method evicts leaves its slot,
+  which the step's token (in the last slot) then fills, in the blocks and in the layer alike (`move_slots`,
+  `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted.
+* `LiveDecode` (any other: LazyEviction, which evicts many entries every `window` steps): the layer in position
+  order, its slots mapped to the blocks' (`slot_positions`, `by_position`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtrim.attention import softmax_probabilities
+from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.methods.base import EvictionMethod, Phase, check
+from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm.block_io import move_layers_entries, move_slots
+from kvtrim.vllm.block_layout import BlockLayout
+from kvtrim.vllm.decide import hand_over, kept_slots
+
+
+@dataclass
+class LiveDecode:
+    """A request's decision layer between the decode steps of a method that reads only its probabilities there
+    (`attention_only_decode`: TOVA, H2O, LazyEviction): one `TrimLayer` whose batch rows are the request's layers,
+    on stand-in keys in position order, with the method's state; it takes each decode step as transformers feeds
+    it one (`_live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
+    positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`."""
+
+    cache: TrimCache
+    slot_positions: torch.Tensor
+    by_position: torch.Tensor
+
+    @property
+    def layer(self) -> TrimLayer:
+        return self.cache.layers[0]
+
+    def follows(self, told: int, stored: int, state: Any) -> bool:
+        """True when the layer is where the request is: it has seen the `told` tokens before the step, holds the
+        `stored` entries and the method's `state` (nothing else compacted the request since)."""
+        layer = self.layer
+        return layer.seen == told and self.slot_positions.shape[-1] == stored and layer.state is state
+
+    @classmethod
+    def resumed(cls, method: EvictionMethod, slot_positions: torch.Tensor, state: Any, told: int,
+                prompt_tokens: int) -> LiveDecode:
+        """The layer resumed from the request's slot positions `(layers, h, stored)` and state after `told` tokens."""
+        by_position = slot_positions.argsort(dim=-1)
+        cache = TrimCache(method, in_place_decode=False)
+        layer = TrimLayer(method, 0, owner=cache, in_place_decode=False)
+        cache.layers.append(layer)
+        stand_in = torch.zeros(1, 1, 1, 1).expand(*slot_positions.shape, 1)
+        layer.resume(stand_in, stand_in, slot_positions.gather(-1, by_position), told,
+                     prompt_tokens if told >= prompt_tokens else None, layer.state if state is None else state)
+        return cls(cache, slot_positions, by_position)
+
+
+def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
+                      layout: BlockLayout = cpu_vec, logits: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
+    """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
+    (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
+    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in position
+    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). `logits`: the step's
+    `(layers, q_heads, 1, stored)` in slot order when kvtrim's attention backend computed them already (then no
+    key is read here). Returns the kept count and the live layer after the step."""
+    n_layers, h, old = live.slot_positions.shape
+    told = live.layer.seen
+    slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
+    by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
+    query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
+    if logits is None:
+        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
+    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
+    # each query head reads its KV head's entries: in position order, that head's own order
+    group = query.shape[1] // h
+    in_order = logits[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
+    probs = softmax_probabilities(in_order.view(n_layers, h * group, 1, old + 1), None, scale)
+    stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
+    with live.cache.phase(Phase.DECODE):
+        full = live.cache.update(stand_in, stand_in, 0)
+    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, probs)
+    if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
+        return old + 1, LiveDecode(live.cache, slot_positions, by_position)
+    kept, n_keep = kept_slots(live.layer, slot_positions)
+    order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)  # nothing read: copied inside the pool
+    # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
+    # (new slot j holds old slot `order[j]`)
+    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(n_layers, h, n_keep)
+    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(n_layers, h, n_keep))
+    return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), renumbered.gather(-1, old_slots))
+
+
+
+@dataclass
+class LiveInPlace:
+    """A request's decision layer for a method that evicts in place (`in_place_decode`: TOVA, H2O), in the slot order
+    of its blocks (module docstring): one `TrimLayer` whose batch rows are the request's layers, on stand-in keys,
+    with the method's state in that order too; after each step its last slot is free (it takes the next step's
+    token, as the engine writes it there) unless the step evicted nothing."""
+
+    cache: TrimCache
+
+    @property
+    def layer(self) -> TrimLayer:
+        return self.cache.layers[0]
+
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        """`(layers, h, stored)`: the positions in the request's slots."""
+        kv = self.layer.kv
+        return kv.positions[..., :kv.width]
+
+    def follows(self, told: int, stored: int, state: Any) -> bool:
+        """True when the layer is where the request is (`LiveDecode.follows`)."""
+        layer = self.layer
+        return layer.seen == told and layer.kv.width == stored and layer.state is state
+
+    def settled_state(self) -> Any:
+        """The method's state in position order, without the free slot: what any other compaction resumes from
+        (`RequestEntries.states`). The layer is left behind."""
+        return self.layer.method.gather_state(self.layer.state, self.layer.kv.settle_order())
+
+    @classmethod
+    def resumed(cls, method: EvictionMethod, slot_positions: torch.Tensor, state: Any, told: int,
+                prompt_tokens: int) -> LiveInPlace:
+        """The layer resumed from the request's slot positions `(layers, h, stored)` and its `state` (position order)
+        after `told` tokens, in slot order, the slot after them free for the step's token."""
+        n_layers, h, stored = slot_positions.shape
+        cache = TrimCache(method)
+        layer = TrimLayer(method, 0, owner=cache)
+        cache.layers.append(layer)
+        if state is None:
+            state = layer.state
+        else:  # position order -> slot order (slot j: the rank of its position), the free slot's afresh
+            rank = slot_positions.argsort(dim=-1).argsort(dim=-1)
+            state = method.gather_state(state, torch.cat([rank, rank[..., :1]], dim=-1))
+            state = method.free_state(state, torch.full((n_layers, h), stored))
+        stand_in = torch.zeros(n_layers, h, stored + 1, 1)
+        positions = torch.cat([slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
+        layer.resume(stand_in, stand_in.clone(), positions, told, prompt_tokens if told >= prompt_tokens else None,
+                     state, free_slot=stored)
+        return cls(cache)
+
+
+def _in_place_decode_step(kv_caches, block_ids, live: LiveInPlace, last, scale: float, layout: BlockLayout = cpu_vec,
+                          logits: torch.Tensor | None = None) -> tuple[int, LiveInPlace | None, torch.Tensor, Any]:
+    """One decode step of a request on its in-place `live` layer, every layer as one batch (`_live_decode_step`'s
+    arguments): the probabilities of the step's logits, in slot order as they come, go to the method
+    (`hand_over`); an entry evicted from each layer and KV head leaves its slot to the step's token, moved there
+    in the pool and in the layer. Returns the kept count, the live layer after the step (None when the method
+    evicted otherwise: then decided as `LiveDecode` does), the slot positions `(layers, h, kept)` and the state
+    in the order they say (the layer's, or position order when it is None)."""
+    layer = live.layer
+    n_layers, h, old = live.slot_positions.shape
+    query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)
+    if logits is None:
+        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
+    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
+    probs = softmax_probabilities(logits, None, scale)
+    stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
+    with live.cache.phase(Phase.DECODE):
+        full = live.cache.update(stand_in, stand_in, 0)
+    before = layer.kv.positions  # (layers, h, old + 1): the slots' positions, the step's token's included
+    hand_over(layer, Phase.DECODE, 1, full, None, query, scale, probs)
+    free = getattr(layer.kv, "free_slots", None)
+    if free is not None and layer.kv.width == old:  # one entry left each row: the step's token takes its slot
+        rows = (free != old).flatten().nonzero()[:, 0]
+        if rows.numel():
+            move_slots(layout, kv_caches, block_ids, rows // h, rows % h, torch.full_like(rows, old),
+                       free.flatten()[rows])
+        layer.fill_free_slots_from_last()
+        return old, live, live.slot_positions, layer.state
+    if layer.kv.width == old + 1 and free is None:  # nothing evicted
+        return old + 1, live, live.slot_positions, layer.state
+    # evicted otherwise (never at a decode step of TOVA or H2O within their schedule): the kept entries fill the
+    # slots below the kept count, as any compaction does; the layer, now in position order, is left behind
+    kept, n_keep = kept_slots(layer, before)
+    order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)
+    layer.settle()
+    return n_keep, None, before.gather(-1, order), layer.state
