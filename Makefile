@@ -18,7 +18,7 @@
 .PHONY: setup demo test test-fast test-slow serve-env serve bench-serving bench-serving-long \
 	bench-serving-long-4000 bench-serving-long-prompt
 
-VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_layout.py tests/test_vllm_layout_amx.py tests/test_vllm_layout_flash.py \
+VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_kernels.py tests/test_vllm_layout.py tests/test_vllm_layout_amx.py tests/test_vllm_layout_flash.py \
 	tests/test_vllm_scheduler.py tests/test_vllm_parallel.py \
 	tests/test_vllm_server.py tests/test_vllm_attention.py tests/test_vllm_eval.py
 

@@ -3,7 +3,7 @@
 the plan marks due), on SmolLM2's shapes (30 layers, 3 KV heads, head_dim 64, bf16 blocks of 128 in a
 56-block pool), one thread: the long-generation load's request (a 237-token prompt, then 2,000 decode steps).
 
-    .venv/bin/python benchmarks/serving/compact_cost.py [--threads N] [--layout vec|amx] [SPEC ...]
+    .venv-serve/bin/python benchmarks/serving/compact_cost.py [--threads N] [--layout vec|amx] [SPEC ...]
     # default: the long-generation load's methods (keydiff:budget=512 streaming:budget=512 lagkv:keep_ratio=0.125)
 
 Prints per method: the planning per forward (µs, mean), the compactions while decoding (how many, median ms
@@ -28,7 +28,7 @@ from kvtrim.specs import parse_method_spec
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.entries import RequestEntries
 from kvtrim.vllm.planning import block_end, plan_forward, prompt_block
-from kvtrim.vllm import layout as cpu_vec, layout_amx
+from kvtrim.vllm import kernels, layout as cpu_vec, layout_amx
 from kvtrim.vllm.spec import prompt_queries, prompt_sums
 
 LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, PROMPT, OUTPUT = 30, 3, 9, 128, 64, 56, 237, 2000
@@ -40,7 +40,7 @@ SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
 LAYOUTS = {"vec": cpu_vec, "amx": layout_amx}
 
 
-def request_cost(spec: str, layout=cpu_vec) -> dict:
+def request_cost(spec: str, layout=cpu_vec, logits_fn=None) -> dict:
     """One request's planning and compactions under `spec` on the blocks of `layout`, timed (module docstring)."""
     method = parse_method_spec(spec).build()
     # every layer's cache in one allocation, back to back, as vLLM allocates them (`layers_as_blocks`)
@@ -81,7 +81,8 @@ def request_cost(spec: str, layout=cpu_vec) -> dict:
                 last, stored = torch.stack(last), end - discarded
                 table = blocks[None, :-(-stored // BLOCK)]
                 t_logits = time.perf_counter()
-                step_logits = torch.stack([layout.table_key_logits(kv, table, q[None, :, 0]) for kv, q in zip(caches, last)])
+                step_logits = torch.stack([(logits_fn or layout.table_key_logits)(kv, table, q[None, :, 0])
+                                           for kv, q in zip(caches, last)])
                 step_logits = step_logits[:, 0, :, None, :stored]
                 t3 += time.perf_counter() - t_logits
                 logits_s.append(time.perf_counter() - t_logits)
@@ -106,9 +107,13 @@ if __name__ == "__main__":
     if args[:1] == ["--layout"]:
         layout, args = LAYOUTS[args[1]], args[2:]
     torch.set_num_threads(threads)
+    # the backend's logits as the worker computes them: kvtrim's kernel (built in .venv-serve, which has ninja), or
+    # the layout's torch function
+    logits_fn, how = kernels.table_key_logits(layout)
+    print(f"backend logits by {how}")
     print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18} "
           f"{'backend logits ms':>17}")
     for spec in args or SPECS:
-        r = request_cost(spec, layout)
+        r = request_cost(spec, layout, logits_fn)
         print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
               f"{r['per_step_ms']:>18.3f} {r['logits_ms']:>17.3f}")

@@ -86,6 +86,9 @@ class QueryTap:
     logit_queries: torch.Tensor | None = None
     #: the KV block layout the logits are read with (`kvtrim.vllm.block_layout`; set by the worker)
     layout: Any = None
+    #: the function computing them (`kvtrim.vllm.kernels.table_key_logits`: kvtrim's kernel, or the layout's torch
+    #: function; set by the worker; None: the layout's)
+    logits_fn: Any = None
     #: seconds spent on the logits since the worker last took them (`take_seconds`: eviction time)
     seconds: float = 0.0
     #: decode steps whose logits were taken so far (for logs and tests)
@@ -128,7 +131,7 @@ class QueryTap:
         start = time.perf_counter()
         rows, table = self.logit_batch
         q = query.index_select(0, rows)
-        logits = self.layout.table_key_logits(kv_cache, table, q.to(kv_cache.dtype))
+        logits = (self.logits_fn or self.layout.table_key_logits)(kv_cache, table, q.to(kv_cache.dtype))
         if self.logits is None:
             self.logits = logits.new_empty((len(self.layers), *logits.shape))
             self.logit_queries = q.new_empty((len(self.layers), *q.shape))

@@ -56,7 +56,7 @@ from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, pr
 from kvtrim.vllm.ranks import gather_failures
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
-from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm import kernels, layout as cpu_vec
 from kvtrim.vllm.block_layout import CPU_BACKEND, block_layout
 from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums, request_context, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -172,6 +172,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_layout = block_layout(CPU_BACKEND, isa=_get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                                                                           self.cache_config.cache_dtype))
         self.kvtrim_tap.layout = self._kvtrim_layout
+        self.kvtrim_tap.logits_fn, how = kernels.table_key_logits(self._kvtrim_layout)
+        logger.info("kvtrim: decode-step logits of the methods fed attention by %s", how)
         if self.kv_caches:
             logger.info("kvtrim: the KV caches of the %d layers %s", len(self.kv_caches),
                         "lie back to back: one copy moves entries in all" if layers_as_blocks(self.kv_caches) is not None

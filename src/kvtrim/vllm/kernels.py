@@ -1,0 +1,200 @@
+"""kvtrim's own CPU kernel for the decode steps' logits of the methods fed attention (TOVA, H2O, LazyEviction):
+`QK^T` of each request's query over its blocks, read where they lie in vLLM's paged cache (no gather of the
+request's blocks into a copy, which the torch functions of `kvtrim.vllm.layout` / `layout_amx` need and which
+costs the most of a step's logits), every request and KV head of a layer in one parallel loop.
+
+The kernel is C++ built once per machine through PyTorch's extension point (`torch.utils.cpp_extension.load_inline`,
+cached by PyTorch, ~30 s the first time: a compiler is what vLLM's CPU build needs too). It reads the key halves of
+vLLM's CPU kernels "vec"/"vec16" (keys channel-major per block) and "amx" (packed in channel pairs per 16 tokens), in
+float32 or bfloat16, accumulates in float32 and rounds to the cache's dtype, as the torch functions' product does.
+`table_key_logits(layout)` gives the function the worker's attention backend calls (`QueryTap.step_logits`): the
+kernel's, or the layout's own torch function when the kernel does not build (the worker logs which, once).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from kvtrim.methods.base import one_line
+from kvtrim.vllm import layout as cpu_vec
+from kvtrim.vllm import layout_amx
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bits_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+static inline float as_float(float x) { return x; }
+static inline float as_float(c10::BFloat16 x) { return bits_float(static_cast<uint32_t>(x.x) << 16); }
+
+// one query row against one block's keys (bs tokens): acc[0..bs)
+template <typename T>
+static inline void block_logits(const T* __restrict__ keys, const float* __restrict__ q, const T* __restrict__ q_raw,
+                                int64_t bs, int64_t d, bool amx, float* __restrict__ acc) {
+  if (!amx) {  // keys (d, bs): [c, t]
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bs % 16 == 0 && bs <= 256) {  // the block's tokens in registers, every channel added in
+        __m512 a[16];
+        const int64_t n = bs / 16;
+        for (int64_t v = 0; v < n; ++v) a[v] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; ++c) {
+          const uint16_t* k = reinterpret_cast<const uint16_t*>(keys + c * bs);
+          const __m512 qc = _mm512_set1_ps(q[c]);
+          for (int64_t v = 0; v < n; ++v) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * v)));
+            a[v] = _mm512_fmadd_ps(qc, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), a[v]);
+          }
+        }
+        for (int64_t v = 0; v < n; ++v) _mm512_storeu_ps(acc + 16 * v, a[v]);
+        return;
+      }
+    }
+#endif
+    std::fill(acc, acc + bs, 0.0f);
+    for (int64_t c = 0; c < d; ++c) {
+      const T* __restrict__ k = keys + c * bs;
+      const float qc = q[c];
+      for (int64_t t = 0; t < bs; ++t) acc[t] += qc * as_float(k[t]);
+    }
+    return;
+  }
+  // "amx": keys (bs / 16, d / 2, 16, 2): [t / 16, c / 2, t % 16, c % 2], a token's channel pair one 32-bit word
+  const uint32_t* __restrict__ words = reinterpret_cast<const uint32_t*>(keys);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // one bfloat16 pair product per token and channel pair: the query's pair broadcast, float sums (two chains, the
+  // even and the odd pairs, so that each product does not wait for the one before)
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_raw);
+  for (int64_t tile = 0; tile < bs / 16; ++tile) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    const uint32_t* w = words + tile * (d / 2) * 16;
+    for (int64_t p = 0; p + 1 < d / 2; p += 2) {
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + p * 16),
+                            (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[p])));
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + (p + 1) * 16),
+                            (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[p + 1])));
+    }
+    if ((d / 2) % 2) {
+      const int64_t p = d / 2 - 1;
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + p * 16),
+                            (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[p])));
+    }
+    _mm512_storeu_ps(acc + tile * 16, _mm512_add_ps(a0, a1));
+  }
+#else
+  std::fill(acc, acc + bs, 0.0f);
+  for (int64_t tile = 0; tile < bs / 16; ++tile) {
+    float* __restrict__ a = acc + tile * 16;
+    for (int64_t p = 0; p < d / 2; ++p) {
+      const uint32_t* __restrict__ w = words + (tile * (d / 2) + p) * 16;
+      const float q0 = q[2 * p], q1 = q[2 * p + 1];
+      for (int64_t j = 0; j < 16; ++j) a[j] += q0 * bits_float(w[j] << 16) + q1 * bits_float(w[j] & 0xFFFF0000u);
+    }
+  }
+#endif
+}
+
+// logits[r, i, u * bs + t] = sum_c query[r, i, c] * key(block table[r, u], KV head i / group, token t, channel c)
+template <typename T>
+static void run(const T* cache, int64_t block_stride, int64_t head_stride, int64_t h, int64_t bs, int64_t d,
+                const int64_t* table, int64_t r_count, int64_t u_count, const T* query, int64_t q_heads, bool amx,
+                T* out) {
+  const int64_t group = q_heads / h;
+  at::parallel_for(0, r_count * u_count * h, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(d), acc(bs);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv_head = item % h, ru = item / h, r = ru / u_count, u = ru % u_count;
+      const T* keys = cache + table[ru] * block_stride + kv_head * head_stride;  // the slab's first half
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = kv_head * group + g;
+        const T* qrow = query + (r * q_heads + i) * d;
+        for (int64_t c = 0; c < d; ++c) q[c] = as_float(qrow[c]);
+        block_logits(keys, q.data(), qrow, bs, d, amx, acc.data());
+        T* o = out + (r * q_heads + i) * u_count * bs + u * bs;
+        for (int64_t t = 0; t < bs; ++t) o[t] = static_cast<T>(acc[t]);
+      }
+    }
+  });
+}
+
+torch::Tensor table_key_logits(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query, bool amx) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3)
+              && kv_cache.stride(1) == kv_cache.size(2) * kv_cache.size(3), "kv_cache: (blocks, h, bs, 2d), slabs contiguous");
+  TORCH_CHECK(query.is_contiguous() && query.scalar_type() == kv_cache.scalar_type(), "query: contiguous, the cache's dtype");
+  TORCH_CHECK(!amx || kv_cache.scalar_type() == at::kBFloat16, "the amx packing holds bfloat16 only");
+  auto table = block_table.contiguous();
+  const int64_t h = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
+  const int64_t r_count = table.size(0), u_count = table.size(1), q_heads = query.size(1);
+  auto out = torch::empty({r_count, q_heads, u_count * bs}, kv_cache.options());
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    run(kv_cache.data_ptr<c10::BFloat16>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d, table.data_ptr<int64_t>(),
+        r_count, u_count, query.data_ptr<c10::BFloat16>(), q_heads, amx, out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "kv_cache: float32 or bfloat16");
+    run(kv_cache.data_ptr<float>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d, table.data_ptr<int64_t>(), r_count,
+        u_count, query.data_ptr<float>(), q_heads, amx, out.data_ptr<float>());
+  }
+  return out;
+}
+"""
+
+#: the layouts the kernel reads, by module: True for "amx"'s packing
+KERNEL_LAYOUTS = {cpu_vec: False, layout_amx: True}
+
+
+@functools.cache
+def load() -> tuple[ModuleType | None, str]:
+    """The built kernel module (built once per machine: PyTorch caches it) and one line saying how, or None and
+    why it did not build."""
+    from torch.utils import cpp_extension
+
+    machine = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]  # -march=native: one build per kind of CPU
+    name = f"kvtrim_step_logits_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]}_{machine}"
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load_inline(name, cpp_sources=_SOURCE, functions=["table_key_logits"],
+                                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # noqa: BLE001 - no compiler, no headers: the torch functions do the work
+        return None, f"kvtrim's C++ kernel did not build ({one_line(err)[:200]})"
+    return module, f"kvtrim's C++ kernel (loaded in {time.perf_counter() - start:.1f} s)"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return ""
+
+
+def table_key_logits(layout: ModuleType) -> tuple[Callable, str]:
+    """The function computing a layer's decode-step logits on `layout`'s blocks, with the signature of
+    `kvtrim.vllm.layout.table_key_logits`: the kernel's for the CPU layouts it reads, else the layout's own; and
+    one line naming it (for the worker's log)."""
+    if layout not in KERNEL_LAYOUTS:
+        return layout.table_key_logits, "torch ops (the kernel reads vLLM's CPU layouts only)"
+    module, how = load()
+    if module is None:
+        return layout.table_key_logits, f"torch ops: {how}"
+    amx = KERNEL_LAYOUTS[layout]
+
+    def kernel_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        return module.table_key_logits(kv_cache, block_table, query.contiguous(), amx)
+
+    return kernel_logits, how

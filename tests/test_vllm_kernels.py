@@ -1,0 +1,46 @@
+"""kvtrim's C++ kernel for the decode steps' logits (`kvtrim.vllm.kernels`) against the layouts' torch functions,
+on blocks vLLM's own write kernels filled ("vec" and "amx"), float32 and bfloat16."""
+
+import pytest
+import torch
+
+vllm_ops = pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
+
+from kvtrim.vllm import kernels, layout as cpu_vec, layout_amx  # noqa: E402
+from test_vllm_layout import kernel_write  # noqa: E402
+
+NB, H, BS, D, Q_HEADS = 9, 3, 32, 64, 9
+
+
+@pytest.mark.parametrize("layout,isa", [(cpu_vec, "vec"), (layout_amx, "amx")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_what_the_layouts_torch_function_does(layout, isa, dtype):
+    if isa == "amx" and dtype != torch.bfloat16:
+        pytest.skip("vLLM's amx kernel stores bfloat16 only")
+    module, how = kernels.load()
+    assert module is not None, how
+    fn, named = kernels.table_key_logits(layout)
+    assert named == how
+    torch.manual_seed(0)
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    n = NB * BS
+    kernel_write(cache, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), torch.arange(n), isa)
+    # three requests' blocks, a shorter one padded with its first (the backend's table), one block twice
+    table = torch.tensor([[4, 0, 7], [2, 2, 2], [8, 1, 5]])
+    query = torch.randn(3, Q_HEADS, D).to(dtype)
+    expected = layout.table_key_logits(cache, table, query)
+    got = fn(cache, table, query)
+    assert got.dtype == dtype and got.shape == expected.shape == (3, Q_HEADS, 3 * BS)
+    # float32 sums in another order; bfloat16: the same float32 sums rounded (one unit in the last place at most)
+    tolerance = 1e-4 if dtype == torch.float32 else 2 ** -7
+    assert torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    # each request's own blocks: a wrong block or head would be far off
+    other = fn(cache, table.flip(0), query)
+    assert not torch.allclose(other.float(), expected.float(), rtol=0.1, atol=0.1)
+
+
+def test_other_layouts_keep_their_torch_function():
+    from kvtrim.vllm import layout_flash
+
+    fn, named = kernels.table_key_logits(layout_flash)
+    assert fn is layout_flash.table_key_logits and named.startswith("torch ops")
