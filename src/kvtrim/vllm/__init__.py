@@ -13,7 +13,9 @@ Pieces (each through one of vLLM's extension points; vLLM's files are never edit
 * `kvtrim.vllm.worker`: `--worker-cls kvtrim.vllm.worker.TrimCPUWorker` (a model runner subclass that
   compacts after the forward and keeps true positions for later tokens).
 * `kvtrim.vllm.attention`: vLLM's CPU attention backend subclassed (registered through `register_backend`),
-  which copies the post-RoPE queries the worker asks for (a prompt's last window).
+  which copies the post-RoPE queries the worker asks for (a prompt's last window) and computes the decode steps'
+  logits of the methods fed attention (`kvtrim.vllm.kernels`: kvtrim's C++ kernel, built once per machine;
+  `kvtrim.vllm.live`: the decision layer such a request keeps between its steps).
 * `kvtrim.vllm.validate`: `--logits-processors kvtrim.vllm.validate:MethodSpecCheck`, whose
   `validate_params` refuses a bad per-request spec before the request is admitted (HTTP 400).
 * `kvtrim.vllm.platform`: vLLM's CPU platform (a `vllm.platform_plugins` entry point, in `kvtrim serve` only)

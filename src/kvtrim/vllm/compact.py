@@ -24,7 +24,7 @@ from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, move_layers_entr
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import decide
 from kvtrim.vllm.entries import RequestEntries, per_tensor
-from kvtrim.vllm.live import LiveDecode, LiveInPlace, _in_place_decode_step, _live_decode_step
+from kvtrim.vllm.live import LiveDecode, LiveInPlace, in_place_decode_step, live_decode_step
 from kvtrim.vllm.planning import Step, leaves_hole
 
 
@@ -54,8 +54,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     steps (TOVA, H2O, LazyEviction) gets, with a forward after the prompt, `last` per layer `(q_heads, q,
     head_dim)`: the queries of its tokens after the prompt, from which `decide` computes a decode step's
     probabilities. Such a method's decode steps (`attention_only_decode`) run on the request's decision layer,
-    kept from one step to the next in `entries.live` (`LiveDecode`: its positions and the method's state live
-    across steps; it is resumed from the positions only after any other compaction), with keys alone read, or
+    kept from one step to the next in `entries.live` (`kvtrim.vllm.live`: `LiveInPlace` for a method that evicts in
+    place, TOVA and H2O, in the blocks' slot order; `LiveDecode` for LazyEviction; its positions and the method's
+    state live across steps; it is resumed from the positions only after any other compaction), with keys alone read, or
     none: `step_logits` `(layers, q_heads, 1, stored)`, slot order, when kvtrim's attention backend computed the
     step's logits already (`QueryTap.step_logits`; `last` is then its queries `(layers, q_heads, 1, head_dim)`). H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
     of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
@@ -92,10 +93,10 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             previous_live = live_kind.resumed(method, torch.stack(slot_positions)[:, :, :old], states[0], told,
                                               prompt_tokens)
         if live_kind is LiveInPlace:  # in the blocks' slot order: the evicted entry's slot takes the step's token
-            n_keep, live, positions, state = _in_place_decode_step(kv_caches, block_ids, previous_live, last, scales[0],
+            n_keep, live, positions, state = in_place_decode_step(kv_caches, block_ids, previous_live, last, scales[0],
                                                                    layout, step_logits)
         else:
-            n_keep, live = _live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
+            n_keep, live = live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
             positions, state = live.slot_positions, live.layer.state
         new_positions, new_states, kept_counts = list(positions.unbind(0)), [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (

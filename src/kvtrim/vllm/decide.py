@@ -34,7 +34,7 @@ def decide(cache: TrimCache, idx: int, keys: torch.Tensor | None, values: torch.
     the step after the prompt (a decode step: with its probabilities over the layer's entries after the step's
     append, computed here as kvtrim's attention computes them, `attend_with_probabilities`; an append: its
     queries, as kvtrim's attention hands them). Any other step gets None. (A decode step whose probabilities the
-    caller computed runs on the request's kept decision layer instead: `kvtrim.vllm.compact.LiveDecode`.) `sums`
+    caller computed runs on the request's kept decision layer instead: `kvtrim.vllm.live`.) `sums`
     `(b, kv_heads, prompt)`: instead of `queries`, the prompt's attention column sums (`kvtrim.vllm.spec.prompt_sums`: H2O),
     handed over with the step that ends the prompt."""
     b, h, stored = slot_positions.shape

@@ -28,7 +28,7 @@ class RequestEntries:
     hole: int | None = None
     #: the request's decision layer kept between decode steps (`kvtrim.vllm.compact`): a positions-only method's
     #: after a step that left a hole (`TrimCache` of one layer on stand-in keys in slot order, its free slot the
-    #: hole), or an attention-fed method's (`LiveDecode`); the next decode step runs on it instead of on a layer
+    #: hole), or an attention-fed method's (`kvtrim.vllm.live`); the next decode step runs on it instead of on a layer
     #: resumed from the positions; any other compaction drops it
     live: Any = None
 

@@ -32,7 +32,7 @@ class LiveDecode:
     """A request's decision layer between the decode steps of a method that reads only its probabilities there
     (`attention_only_decode`: TOVA, H2O, LazyEviction): one `TrimLayer` whose batch rows are the request's layers,
     on stand-in keys in position order, with the method's state; it takes each decode step as transformers feeds
-    it one (`_live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
+    it one (`live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
     positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`."""
 
     cache: TrimCache
@@ -63,7 +63,7 @@ class LiveDecode:
         return cls(cache, slot_positions, by_position)
 
 
-def _live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
+def live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
                       layout: BlockLayout = cpu_vec, logits: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
     """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
     (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
@@ -150,9 +150,9 @@ class LiveInPlace:
         return cls(cache)
 
 
-def _in_place_decode_step(kv_caches, block_ids, live: LiveInPlace, last, scale: float, layout: BlockLayout = cpu_vec,
+def in_place_decode_step(kv_caches, block_ids, live: LiveInPlace, last, scale: float, layout: BlockLayout = cpu_vec,
                           logits: torch.Tensor | None = None) -> tuple[int, LiveInPlace | None, torch.Tensor, Any]:
-    """One decode step of a request on its in-place `live` layer, every layer as one batch (`_live_decode_step`'s
+    """One decode step of a request on its in-place `live` layer, every layer as one batch (`live_decode_step`'s
     arguments): the probabilities of the step's logits, in slot order as they come, go to the method
     (`hand_over`); an entry evicted from each layer and KV head leaves its slot to the step's token, moved there
     in the pool and in the layer. Returns the kept count, the live layer after the step (None when the method
