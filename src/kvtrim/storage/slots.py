@@ -61,9 +61,7 @@ class SlotKV(DenseKV):
         if self.free_slots is None:
             super().append(keys, values, positions)
             return
-        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
-            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()  # once (after a batch op)
-            self.positions = self.positions.contiguous()
+        self._writable()
         rows = flat_rows(self.free_slots[..., None], self.keys.shape[2])
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, rows, keys.reshape(-1, keys.shape[-1]))
         self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.reshape(-1, values.shape[-1]))
@@ -80,14 +78,20 @@ class SlotKV(DenseKV):
         order = torch.arange(last + 1, device=self.free_slots.device).expand(b, h, -1).clone()
         into = self.free_slots[..., None]
         order.scatter_(-1, into, last)
-        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
-            self.keys, self.values, self.positions = (t.contiguous() for t in (self.keys, self.values, self.positions))
-        # one entry per row moves: written in place (a row whose free slot is the last writes it onto itself)
+        self._writable()
+        # one entry per row moves, written in place: each row reads only its own last slot (a row whose free slot
+        # is the last writes it onto itself)
         self.positions.scatter_(-1, into, self.positions[..., last:])
         for t in (self.keys, self.values):
-            t.scatter_(2, into[..., None].expand(b, h, 1, t.shape[-1]), t[:, :, last:].clone())
+            t.scatter_(2, into[..., None].expand(b, h, 1, t.shape[-1]), t[:, :, last:])
         self.free_slots = torch.full_like(self.free_slots, last)
         return order
+
+    def _writable(self) -> None:
+        """Keys, values and positions contiguous, to be written in place (copied once, after a batch op left
+        views)."""
+        if not (self.keys.is_contiguous() and self.values.is_contiguous() and self.positions.is_contiguous()):
+            self.keys, self.values, self.positions = (t.contiguous() for t in (self.keys, self.values, self.positions))
 
     def evict(self, keep: Keep) -> None:
         """Keep the slots `keep.indices` `(b, h, k)` (in the order given); no slot is free afterwards."""

@@ -43,6 +43,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 
