@@ -7,7 +7,9 @@ blocks each: the long-generation load's step.
     .venv-serve/bin/python benchmarks/serving/logits_cost.py [--threads N]   # default 2 (the server's worker)
 
 Prints, per layout ("amx": the kernel this machine's vLLM runs bf16 with; "vec"), the median ms of the step's
-logits (all layers, 20 repeats) for each function, and the largest difference between them.
+logits (all layers, 20 repeats) for each function, and the largest difference between them; beside them, what vLLM's
+own decode attention over the same blocks costs (`cpu_attention_with_kv_cache`, the layout's ISA, every layer): the
+most the logits could save by being computed inside that pass.
 """
 
 from __future__ import annotations
@@ -21,6 +23,36 @@ import torch
 from kvtrim.vllm import kernels, layout as cpu_vec, layout_amx
 
 LAYERS, POOL, KV_HEADS, BLOCK, HEAD_DIM, Q_HEADS, REQUESTS, BLOCKS = 30, 56, 3, 128, 64, 9, 11, 5
+
+
+def vllm_attention(isa: str, caches, table: torch.Tensor, queries: torch.Tensor):
+    """vLLM's CPU decode attention (`cpu_attention_with_kv_cache`, ISA `isa`) of every layer's `queries` `(R,
+    q_heads, head_dim)` over the requests' full blocks `table` `(R, U)`, as its backend calls it; None without vLLM
+    (or, for "amx", on a CPU without AMX tiles)."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    if isa == "amx" and not torch.cpu._init_amx():  # (vLLM's worker enables the tiles the same way)
+        return None
+    requests, used = table.shape
+    seq_lens = torch.full((requests,), used * BLOCK, dtype=torch.int32)
+    starts = torch.arange(requests + 1, dtype=torch.int32)  # one query row per request: decode steps
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=requests, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
+        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=True, dynamic_causal=None, kv_cache_dtype="auto")
+    out = torch.empty(requests, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    table = table.int()
+
+    def run():
+        for kv, q in zip(caches, queries):
+            keys, values = kv.view(POOL, KV_HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=keys, value_cache=values, output=out, query_start_loc=starts, seq_lens=seq_lens,
+                scale=HEAD_DIM ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+                softcap=0.0, scheduler_metadata=metadata, s_aux=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return run
 
 
 def median_ms(fn, repeats: int = 20) -> float:
@@ -40,7 +72,8 @@ if __name__ == "__main__":
     caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
     table = torch.stack([torch.randperm(POOL)[:BLOCKS] for _ in range(REQUESTS)])
     queries = torch.randn(LAYERS, REQUESTS, Q_HEADS, HEAD_DIM).bfloat16()
-    print(f"{'layout':<6} {'torch ms':>9} {'kernel ms':>9} {'max |diff|':>10}   ({torch.get_num_threads()} threads)")
+    print(f"{'layout':<6} {'torch ms':>9} {'kernel ms':>9} {'max |diff|':>10} {'vLLM attention ms':>17}   "
+          f"({torch.get_num_threads()} threads)")
     for name, layout in (("amx", layout_amx), ("vec", cpu_vec)):
         kernel, how = kernels.table_key_logits(layout)
         if kernel is layout.table_key_logits:
@@ -50,4 +83,6 @@ if __name__ == "__main__":
         kernel_ms = median_ms(lambda: [kernel(kv, table, q) for kv, q in zip(caches, queries)])
         diff = max(float((layout.table_key_logits(kv, table, q).float() - kernel(kv, table, q).float()).abs().max())
                    for kv, q in zip(caches, queries))
-        print(f"{name:<6} {torch_ms:>9.2f} {kernel_ms:>9.2f} {diff:>10.4f}")
+        attend = vllm_attention(name, caches, table, queries)
+        attention = "-" if attend is None else f"{median_ms(attend):.2f}"
+        print(f"{name:<6} {torch_ms:>9.2f} {kernel_ms:>9.2f} {diff:>10.4f} {attention:>17}")
