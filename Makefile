@@ -19,7 +19,7 @@
 	bench-serving-long-4000 bench-serving-long-prompt
 
 VLLM_TESTS = tests/test_vllm_spec.py tests/test_vllm_kernels.py tests/test_vllm_layout.py tests/test_vllm_layout_amx.py tests/test_vllm_layout_flash.py \
-	tests/test_vllm_scheduler.py tests/test_vllm_parallel.py \
+	tests/test_vllm_live_batch.py tests/test_vllm_scheduler.py tests/test_vllm_parallel.py \
 	tests/test_vllm_server.py tests/test_vllm_attention.py tests/test_vllm_eval.py
 
 setup:

@@ -237,6 +237,29 @@ def test_prefix_caching_on_answers_as_off_float32(server_f32, prompts, spec):
     wait_idle(server_f32.url)
 
 
+@pytest.mark.parametrize("spec", ["tova:budget=64", "h2o:budget=64"])
+def test_decode_steps_decided_in_a_batch_answer_as_alone_float32(server_f32, prompts, spec):
+    """Requests of one method decoding at once, each evicting one entry per step, have their steps decided as one
+    batch (`kvtrim.vllm.live_batch`: the stats line's `batched=` grows) and leave it as they end; float32, each
+    answers token for token what it answers alone (one request at a time: no batch)."""
+    import re
+
+    def batched_so_far() -> int:
+        # a prompt's compaction logs the stats line (else one every 16 steps): one more request, alone, one token
+        complete(server_f32.url, [prompts[5].prompt], {"kvtrim": spec}, max_tokens=1)
+        wait_idle(server_f32.url)
+        return int(re.findall(r"kvtrim: stats .*batched=(\d+)", server_f32.tail(100000))[-1])
+
+    texts = [s.prompt for s in prompts[:4]]
+    alone = complete(server_f32.url, texts, {"kvtrim": spec}, max_tokens=20, ignore_eos=True, at_once=1)
+    before = batched_so_far()
+    together = complete(server_f32.url, texts, {"kvtrim": spec}, max_tokens=20, ignore_eos=True, at_once=4)
+    after = batched_so_far()
+    print(f"{spec}: {after - before} decode steps decided in batches")
+    assert together == alone
+    assert after > before + 4 * 10, (before, after)  # most of the 4 x 19 decode steps after the first
+
+
 #: `kvtrim.compress` then `generate` in transformers, float32 (tests/data/context_reference/make.py)
 CONTEXT_ANSWERS = os.path.join(os.path.dirname(__file__), "data", "context_reference", "answers.json")
 

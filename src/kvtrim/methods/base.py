@@ -258,6 +258,29 @@ class Schedule:
 
 
 # ---- the base classes -----------------------------------------------------------------------------------
+def _rows_of_states(states: list[Any], join) -> Any:
+    """`join` applied to each tensor field of dataclass `states` (one new state; their other fields must agree);
+    None for stateless methods."""
+    first = states[0]
+    if first is None:
+        check(all(s is None for s in states), "states of one method are all None or none of them")
+        return None
+    check(hasattr(first, "__dataclass_fields__"),
+          f"{type(first).__name__} states are not a dataclass: the method must define stack_states and state_rows")
+    joined = {}
+    for f in fields(first):
+        values = [getattr(s, f.name) for s in states]
+        if not any(isinstance(v, torch.Tensor) for v in values):  # None, or a count: the same in every state
+            check(all(v == values[0] for v in values),
+                  f"{type(first).__name__}.{f.name} differs between the states: they cannot be one batch")
+            joined[f.name] = values[0]
+        else:
+            check(all(isinstance(v, torch.Tensor) for v in values),
+                  f"{type(first).__name__}.{f.name} is not a tensor in every state: it cannot be batched by rows")
+            joined[f.name] = join(values)
+    return type(first)(**joined)
+
+
 @dataclass(kw_only=True)
 class EvictionMethod:
     """Base class of all methods. Subclasses are dataclasses whose fields are the hyper-parameters;
@@ -359,6 +382,18 @@ class EvictionMethod:
         """In-place decoding: return the state after the entries at `slots` `(batch, kv_heads)` left; the
         next step's new entry takes the same slot (per-entry state there must start afresh)."""
         return state
+
+    def stack_states(self, states: list[Any]) -> Any:
+        """One state for the batch rows of `states` one after another (each a state of the same method and layer
+        shape, batch first: kvtrim's vLLM engine decides many requests' decode steps as one batch). Default: None
+        for stateless methods; a dataclass state's tensor fields concatenated on dim 0 (its other fields, such as
+        None or a count, must be the same in every state)."""
+        return _rows_of_states(states, lambda tensors: torch.cat(tensors, dim=0))
+
+    def state_rows(self, state: Any, rows: torch.Tensor) -> Any:
+        """The state of batch rows `rows` `(r,)` int64 of `state` (a copy): what `stack_states` joined, taken
+        apart again. Default: as `stack_states`, each tensor field's rows selected."""
+        return _rows_of_states([state], lambda tensors: tensors[0].index_select(0, rows))
 
     def prefill_block_size(self) -> int | None:
         """The prefill chunk this method is designed for (None: the prompt in one forward)."""

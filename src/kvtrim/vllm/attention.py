@@ -78,11 +78,11 @@ class QueryTap:
     logit_plan: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
     #: the sealed plan, `(query rows (R,), block table (R, U))`, or None: nothing to compute in this forward
     logit_batch: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: the last sealed plan's requests, req_id -> (batch row, entries stored), and their logits `(layers, R,
+    #: the last sealed plan's requests, req_id -> (batch row, entries stored), and their logits `(R, layers,
     #: q_heads, U * block_size)` in the cache's dtype, slot order, filled layer by layer (`step_logits`)
     logit_index: dict[str, tuple[int, int]] = field(default_factory=dict)
     logits: torch.Tensor | None = None
-    #: their queries `(layers, R, q_heads, head_dim)` (what `last` holds for the other requests)
+    #: their queries `(R, layers, q_heads, head_dim)` (what `last` holds for the other requests)
     logit_queries: torch.Tensor | None = None
     #: the KV block layout the logits are read with (`kvtrim.vllm.block_layout`; set by the worker)
     layout: Any = None
@@ -132,11 +132,11 @@ class QueryTap:
         rows, table = self.logit_batch
         q = query.index_select(0, rows)
         logits = (self.logits_fn or self.layout.table_key_logits)(kv_cache, table, q.to(kv_cache.dtype))
-        if self.logits is None:
-            self.logits = logits.new_empty((len(self.layers), *logits.shape))
-            self.logit_queries = q.new_empty((len(self.layers), *q.shape))
+        if self.logits is None:  # request-major: a batch of the step's requests is a view (`take_logit_rows`)
+            self.logits = logits.new_empty((logits.shape[0], len(self.layers), *logits.shape[1:]))
+            self.logit_queries = q.new_empty((q.shape[0], len(self.layers), *q.shape[1:]))
         idx = self.layers[layer_name]
-        self.logits[idx], self.logit_queries[idx] = logits, q
+        self.logits[:, idx], self.logit_queries[:, idx] = logits, q
         self.seconds += time.perf_counter() - start
 
     def take_logits(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -147,7 +147,19 @@ class QueryTap:
             return None
         r, stored = self.logit_index.pop(req_id)
         self.logits_taken += 1
-        return self.logits[:, r, :, None, :stored], self.logit_queries[:, r, :, None]
+        return self.logits[r, :, :, None, :stored], self.logit_queries[r, :, :, None]
+
+    def take_logit_rows(self, req_ids: list[str], stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`take_logits` for requests `req_ids` that each store `stored` entries, as one batch, request-major:
+        logits `(requests * layers, q_heads, 1, stored)` and queries `(requests * layers, q_heads, 1, head_dim)`
+        (views when they are this step's rows in order, else copies)."""
+        rows = [self.logit_index.pop(req_id)[0] for req_id in req_ids]
+        self.logits_taken += len(rows)
+        logits, queries = self.logits, self.logit_queries
+        if rows != list(range(logits.shape[0])):
+            index = torch.tensor(rows)
+            logits, queries = logits.index_select(0, index), queries.index_select(0, index)
+        return logits[..., :stored].flatten(0, 1).unsqueeze(2), queries.flatten(0, 1).unsqueeze(2)
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

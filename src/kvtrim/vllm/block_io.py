@@ -142,16 +142,25 @@ def move_slots(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: to
     """Copy the entry of KV head `heads[i]` of layer `layers[i]` (ascending) at the request's slot `from_slots[i]`
     into its slot `to_slots[i]` (all `(m,)`), inside the pool: one copy for every layer when they lie back to back
     (`layers_as_blocks`), else one per layer; the places of every move worked out at once."""
+    move_table_slots(layout, kv_caches, block_ids[None], torch.zeros_like(layers), layers, heads, from_slots, to_slots)
+
+
+def move_table_slots(layout: BlockLayout, kv_caches: list[torch.Tensor], tables: torch.Tensor, requests: torch.Tensor,
+                     layers: torch.Tensor, heads: torch.Tensor, from_slots: torch.Tensor,
+                     to_slots: torch.Tensor) -> None:
+    """`move_slots` for the entries of many requests at once: move `i` is request `requests[i]`'s, whose blocks are
+    row `requests[i]` of `tables` `(requests, U)` (a shorter row padded with any block: only its slots' own blocks
+    are read)."""
     block_size = kv_caches[0].shape[2]
-    source, target = slot_places(block_ids, from_slots, block_size), slot_places(block_ids, to_slots, block_size)
+    source = tables[requests, from_slots // block_size], from_slots % block_size
+    target = tables[requests, to_slots // block_size], to_slots % block_size
     stacked = layers_as_blocks(kv_caches)
     if stacked is not None:
         nb = kv_caches[0].shape[0]
         layout.move_entries(stacked, heads, (layer_blocks(source[0], layers, nb), source[1]),
                             (layer_blocks(target[0], layers, nb), target[1]))
         return
-    per_layer = torch.bincount(layers, minlength=len(kv_caches)).tolist()
-    parts = [t.split(per_layer) for t in (heads, *source, *target)]
-    for idx, (h, src_blk, src_off, dst_blk, dst_off) in enumerate(zip(*parts)):
-        if h.numel():
-            layout.move_entries(kv_caches[idx], h, (src_blk, src_off), (dst_blk, dst_off))
+    for idx, kv in enumerate(kv_caches):
+        mine = (layers == idx).nonzero()[:, 0]
+        if mine.numel():
+            layout.move_entries(kv, heads[mine], (source[0][mine], source[1][mine]), (target[0][mine], target[1][mine]))

@@ -25,6 +25,7 @@ from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import decide
 from kvtrim.vllm.entries import RequestEntries, per_tensor
 from kvtrim.vllm.live import LiveDecode, LiveInPlace, in_place_decode_step, live_decode_step
+from kvtrim.vllm.live_batch import BatchRows
 from kvtrim.vllm.planning import Step, leaves_hole
 
 
@@ -56,13 +57,16 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     probabilities. Such a method's decode steps (`attention_only_decode`) run on the request's decision layer,
     kept from one step to the next in `entries.live` (`kvtrim.vllm.live`: `LiveInPlace` for a method that evicts in
     place, TOVA and H2O, in the blocks' slot order; `LiveDecode` for LazyEviction; its positions and the method's
-    state live across steps; it is resumed from the positions only after any other compaction), with keys alone read, or
+    state live across steps; it is resumed from the positions only after any other compaction; a request whose steps
+    the worker decided in a batch with others takes its rows back first, `BatchRows.detach`), with keys alone read, or
     none: `step_logits` `(layers, q_heads, 1, stored)`, slot order, when kvtrim's attention backend computed the
     step's logits already (`QueryTap.step_logits`; `last` is then its queries `(layers, q_heads, 1, head_dim)`). H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
     of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
 
     `layout`: how the caches store their blocks (`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
     check(entries.hole is None, "the request's hole was not filled before its next compaction")
+    if isinstance(entries.live, BatchRows):  # its decode steps were decided in a batch until now: its rows back
+        entries.live.detach(entries, prompt_tokens)
     told = end - sum(step.tokens for step in steps)  # tokens the method was told before this forward
     stored = entries.m + end - entries.seen
     old = stored - (end - told)  # entries stored before this forward's tokens

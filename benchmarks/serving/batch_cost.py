@@ -1,0 +1,135 @@
+"""What a decode step of many requests of one method costs the worker, each request decided alone (`compact`, one
+after another) against all of them as one batch (`kvtrim.vllm.live_batch`), without a server: the long-generation
+load's step, 11 requests on SmolLM2's shapes (30 layers, 3 KV heads, 9 query heads, head_dim 64, bf16 blocks of 128
+in one allocation of 56 blocks per layer), each past its prompt (600-610 tokens: a budget of 512 reached at once),
+then `--steps` decode steps that each evict one entry per layer and KV head.
+
+    .venv-serve/bin/python benchmarks/serving/batch_cost.py [--threads N] [--steps N] [SPEC ...]
+    # default: 1 thread (the operations are small), 60 steps, tova:budget=512 h2o:budget=512
+
+Prints per method the median ms of a step's decisions for all requests, alone and batched, and whether both kept
+the same entries. The step's logits (kvtrim's attention backend computes them for all requests at once in either
+case: `logits_cost.py`) are computed before and left out of both.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+from kvtrim.specs import parse_method_spec
+from kvtrim.vllm import kernels, layout_amx
+from kvtrim.vllm.attention import QueryTap
+from kvtrim.vllm.compact import compact
+from kvtrim.vllm.entries import WorkerRequest
+from kvtrim.vllm.live_batch import BatchRows, batch_groups, decide_group
+from kvtrim.vllm.planning import Due, StoredCounts, forward_steps
+from kvtrim.vllm.spec import prompt_queries, prompt_sums
+
+LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, POOL, REQUESTS, PROMPT = 30, 3, 9, 128, 64, 56, 11, 600
+SPECS = ["tova:budget=512", "h2o:budget=512"]
+SCALE = HEAD_DIM ** -0.5
+
+
+def setup(spec: str, logits_fn):
+    """The pool and 11 requests of `spec` after their prompt and first decode step (each on its own decision layer)."""
+    torch.manual_seed(0)
+    caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
+    requests = []
+    for r in range(REQUESTS):
+        method = parse_method_spec(spec).build()
+        req = WorkerRequest(method, prompt_tokens=PROMPT + r)
+        blocks = torch.arange(5 * r, 5 * r + 5)
+        counts, gone = StoredCounts(method), 0
+        for start, end in ((0, PROMPT + r), (PROMPT + r, PROMPT + r + 1)):
+            steps = forward_steps(start, end, req.prompt_tokens)
+            counts.advance(steps)
+            queries = sums = last = step_logits = None
+            if start == 0:
+                queries = [torch.randn(Q_HEADS, prompt_queries(method), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
+                if prompt_sums(method):
+                    queries, sums = None, [torch.rand(KV_HEADS, end) for _ in range(LAYERS)]
+            else:
+                step_logits, last = step_of(caches, blocks, end - gone, logits_fn)
+                step_logits = step_logits[:, :, None]
+                last = last[:, :, None]
+            gone = compact(caches, blocks, method, req.entries, steps, end, req.prompt_tokens, queries,
+                           [SCALE] * LAYERS, last, sums, layout_amx, step_logits)
+        requests.append((str(r), req, blocks, counts))
+    return caches, requests
+
+
+def step_of(caches, blocks, stored: int, logits_fn):
+    """A decode step's logits `(layers, q_heads, stored)` over a request's blocks and its queries `(layers, q_heads,
+    head_dim)`, as kvtrim's attention backend computes them."""
+    queries = torch.randn(LAYERS, Q_HEADS, HEAD_DIM).bfloat16()
+    table = blocks[None, :-(-stored // BLOCK)]
+    logits = torch.stack([logits_fn(kv, table, q[None])[0] for kv, q in zip(caches, queries)])
+    return logits[..., :stored], queries
+
+
+def run(spec: str, steps: int, logits_fn) -> tuple[float, float, bool]:
+    caches, requests = setup(spec, logits_fn)
+    twin_caches = list(torch.stack(caches).unbind(0))  # a second pool, in one allocation too
+    twins = copy.deepcopy(requests)
+    alone_s, batch_s = [], []
+    for _ in range(steps):
+        tap, due, inputs = QueryTap(), [], []
+        for req_id, req, blocks, counts in requests:
+            end = req.entries.seen + 1
+            counts.advance(forward_steps(end - 1, end, req.prompt_tokens))
+            stored = end - counts.discarded + 1  # before the step's eviction
+            entry = torch.randn(2, LAYERS, KV_HEADS, HEAD_DIM).bfloat16()
+            for kv, twin, k, v in zip(caches, twin_caches, *entry):  # the step's entry where the engine writes it
+                for pool in (kv, twin):
+                    layout_amx.write_entries(pool, blocks, torch.arange(KV_HEADS), torch.full((KV_HEADS,), stored - 1),
+                                             k, v)
+            inputs.append(step_of(caches, blocks, stored, logits_fn))
+            due.append((req_id, Due(forward_steps(end - 1, end, req.prompt_tokens), end, counts.discarded), end))
+        start = time.perf_counter()
+        for (req_id, req, blocks, _), (logits, queries), (_, plan, end) in zip(twins, inputs, due):
+            compact(twin_caches, blocks, req.method, req.entries, plan.steps, end, req.prompt_tokens, None,
+                    [SCALE] * LAYERS, queries[:, :, None], None, layout_amx, logits[:, :, None].clone())
+        alone_s.append(time.perf_counter() - start)
+        width = max(logits.shape[-1] for logits, _ in inputs)
+        tap.logits = torch.stack([torch.nn.functional.pad(logits, (0, width - logits.shape[-1])) for logits, _ in inputs])
+        tap.logit_queries = torch.stack([queries for _, queries in inputs])
+        tap.logit_index = {req_id: (r, logits.shape[-1])
+                           for r, ((req_id, *_), (logits, _)) in enumerate(zip(requests, inputs))}
+        start = time.perf_counter()
+        reqs = {req_id: req for req_id, req, _, _ in requests}
+        groups, rest = batch_groups(due, reqs.get, tap.logit_index, True)
+        for items in groups:
+            ids = [i for i, _, _ in items]
+            decide_group(caches, [reqs[i] for i in ids], ids, [requests[int(i)][2].tolist() for i in ids],
+                         [end for *_, end in items], tap, SCALE, layout_amx)
+        batch_s.append(time.perf_counter() - start)
+        if rest:  # (the first step: each request joins from its own layer; none is left alone after it)
+            raise SystemExit(f"{len(rest)} requests were not batched")
+    same = all(torch.equal(a.entries.live.own_rows()[0][..., :-1].sort(-1).values,
+                           torch.stack(b.entries.positions).sort(-1).values)
+               for (_, a, _, _), (_, b, _, _) in zip(requests, twins) if isinstance(a.entries.live, BatchRows))
+    same = same and all(torch.equal(a, b) for a, b in zip(caches, twin_caches))
+    return 1e3 * statistics.median(alone_s), 1e3 * statistics.median(batch_s), same
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    threads, steps = 1, 60
+    while args[:1] in (["--threads"], ["--steps"]):
+        if args[0] == "--threads":
+            threads = int(args[1])
+        else:
+            steps = int(args[1])
+        args = args[2:]
+    torch.set_num_threads(threads)
+    logits_fn, how = kernels.table_key_logits(layout_amx)
+    print(f"step logits by {how}; {REQUESTS} requests, {steps} decode steps, {threads} thread(s)")
+    print(f"{'method':<20} {'alone ms/step':>13} {'batched ms/step':>15} {'ratio':>6} {'same entries':>12}")
+    for spec in args or SPECS:
+        alone, batched, same = run(spec, steps, logits_fn)
+        print(f"{spec:<20} {alone:>13.2f} {batched:>15.2f} {alone / batched:>6.1f} {str(same):>12}")

@@ -1,0 +1,205 @@
+"""The decode steps of a step's requests under one method decided as one batch (`LiveBatch`), for methods that
+evict in place and read only their probabilities there (`in_place_decode` and `attention_only_decode`: TOVA, H2O).
+
+One request's in-place decode step (`kvtrim.vllm.live.in_place_decode_step`) costs about 0.7 ms of operations whose
+cost does not grow with its entries (a softmax, the method's rule, the move, the layer's bookkeeping: ~40 small
+operations); with 11 requests that is most of a step's eviction time. Here the requests of one group (the same
+method and parameters, the same stored count, and the same prompt length where the budget follows from it) are rows
+of one decision layer, request-major (request `r`'s layer `l` is row `r * layers + l`), in the blocks' slot order as
+`LiveInPlace` keeps them: the step's logits of every member go through one softmax, one run of the method's rule,
+one set of moves (`move_table_slots`, each request in its own blocks) and one refill of the freed slots.
+
+Rows of different requests share the layer's count of tokens seen, so each request's positions are rebased by a
+shift (`shifts`: its newest token is at the layer's `seen - 1`): rules relative to `seen` (H2O's recent window)
+and ties broken by position order hold as they do for the request alone. The batch lasts as long as its members
+step together; a request that leaves (it finishes, is preempted, or its forward is anything but a decode step)
+takes its rows back (`BatchRows.detach`) and the others form a new batch at their next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtrim.attention import softmax_probabilities
+from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.methods.base import EvictionMethod, Phase, check
+from kvtrim.vllm.block_io import move_table_slots
+from kvtrim.vllm.block_layout import BlockLayout
+from kvtrim.vllm.decide import hand_over
+from kvtrim.vllm.entries import RequestEntries
+from kvtrim.vllm.live import LiveInPlace
+from kvtrim.vllm.planning import Due
+
+
+@dataclass
+class LiveBatch:
+    """The decision layer of a group's requests `members` (their ids, in row order): one `TrimLayer` whose rows are
+    `(members * layers, kv_heads, stored + 1)`, request-major, on stand-in keys, positions rebased by `shifts` `(R,)`
+    (a request's position + its shift); after each step its last slot is free (the next step's token)."""
+
+    cache: TrimCache
+    members: list[str]
+    shifts: torch.Tensor
+    n_layers: int
+
+    @property
+    def layer(self) -> TrimLayer:
+        return self.cache.layers[0]
+
+    @property
+    def stored(self) -> int:
+        """Entries each member stores before its next step's token."""
+        return self.layer.kv.width
+
+    def rows(self, index: int) -> torch.Tensor:
+        """Member `index`'s rows `(layers,)`."""
+        return torch.arange(index * self.n_layers, (index + 1) * self.n_layers)
+
+    @classmethod
+    def formed(cls, method: EvictionMethod, members: list[str], lives: list, prompt_tokens: int,
+               n_layers: int) -> LiveBatch:
+        """The batch of requests `members` from their decision layers `lives` (each a `LiveInPlace` whose last slot
+        is free, or a `BatchRows` of an earlier batch), all storing the same count."""
+        parts = [live.own_rows() if isinstance(live, BatchRows) else (live.layer.kv.positions, live.layer.state,
+                                                                      live.layer.seen) for live in lives]
+        width = parts[0][0].shape[-1]
+        check(all(p.shape[-1] == width for p, _, _ in parts), "the requests of one batch store different counts")
+        seen = max(told for _, _, told in parts)
+        shifts = torch.tensor([seen - told for _, _, told in parts])
+        positions = torch.cat([p + shift for (p, _, _), shift in zip(parts, shifts.tolist())])
+        state = method.stack_states([s for _, s, _ in parts])
+        cache = TrimCache(method)
+        layer = TrimLayer(method, 0, owner=cache)
+        cache.layers.append(layer)
+        stand_in = torch.zeros(*positions.shape, 1)
+        layer.resume(stand_in, stand_in.clone(), positions, seen, prompt_tokens, state, free_slot=width - 1)
+        return cls(cache, list(members), shifts, n_layers)
+
+
+@dataclass
+class BatchRows:
+    """A request's decision layer while its decode steps are decided in `batch` (its `entries.live`): member
+    `index`. Its `entries.positions` and `entries.states` are stale meanwhile: `detach` brings them back."""
+
+    batch: LiveBatch
+    index: int
+
+    def own_rows(self) -> tuple[torch.Tensor, Any, int]:
+        """Its slot positions `(layers, h, stored + 1)` (the free last slot included), its state in that order and
+        the tokens it has seen: copies of its rows, shift undone."""
+        batch, rows = self.batch, self.batch.rows(self.index)
+        layer, shift = batch.layer, int(batch.shifts[self.index])
+        return (layer.kv.positions.index_select(0, rows) - shift, layer.method.state_rows(layer.state, rows),
+                layer.seen - shift)
+
+    def detach(self, entries: RequestEntries, prompt_tokens: int) -> None:
+        """Give the request its own decision layer again (a `LiveInPlace` of its rows) and its `entries`' positions
+        and states as that layer has them (`kvtrim.vllm.compact` then goes on as after its own decode step)."""
+        positions, state, seen = self.own_rows()
+        method = self.batch.layer.method
+        cache = TrimCache(method)
+        layer = TrimLayer(method, 0, owner=cache)
+        cache.layers.append(layer)
+        stand_in = torch.zeros(*positions.shape, 1)
+        stored = positions.shape[-1] - 1
+        layer.resume(stand_in, stand_in.clone(), positions, seen, prompt_tokens if seen >= prompt_tokens else None,
+                     state, free_slot=stored)
+        entries.positions = list(positions[..., :stored].unbind(0))
+        entries.states = [state] * positions.shape[0]
+        entries.live = LiveInPlace(cache)
+
+
+def batch_key(method: EvictionMethod, stored: int, prompt_tokens: int) -> tuple:
+    """What the requests of one batch share: the method and its parameters, the entries stored before the step,
+    and the prompt's length unless the method's budget is fixed before it (a ratio's budget follows from it)."""
+    fixed = getattr(method, "fixed_budget", lambda: None)()
+    return type(method), method.describe(), stored, None if fixed is not None else prompt_tokens
+
+
+def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch: LiveBatch, logits: torch.Tensor,
+                      queries: torch.Tensor, scale: float, layout: BlockLayout) -> None:
+    """One decode step of every member of `batch` (`in_place_decode_step` for all of them at once): `logits`
+    `(members * layers, q_heads, 1, stored + 1)` of the step (slot order, from kvtrim's attention backend) and its
+    `queries` `(members * layers, q_heads, 1, head_dim)`; `tables` `(members, U)` their blocks. The one entry the
+    method evicts per row leaves its slot to the step's token, in the blocks and in the layer alike."""
+    layer = batch.layer
+    rows, h, slots = layer.kv.positions.shape
+    check(logits.shape[0] == rows and logits.shape[-1] == slots,
+          f"the step's logits {tuple(logits.shape)} do not cover the batch's {rows} rows of {slots} entries")
+    probs = softmax_probabilities(logits, None, scale)
+    stand_in = torch.zeros(1, 1, 1, 1).expand(rows, h, 1, 1)
+    with batch.cache.phase(Phase.DECODE):
+        full = batch.cache.update(stand_in, stand_in, 0)
+    hand_over(layer, Phase.DECODE, 1, full, None, queries, scale, probs)
+    free = getattr(layer.kv, "free_slots", None)
+    check(free is not None and layer.kv.width == slots - 1,
+          f"{type(layer.method).__name__} evicted other than one entry per layer and KV head at a decode step "
+          "decided in a batch")
+    moved = (free != slots - 1).flatten().nonzero()[:, 0]  # (row, head) flattened: a row whose free slot is not last
+    if moved.numel():
+        row = moved // h
+        move_table_slots(layout, kv_caches, tables, row // batch.n_layers, row % batch.n_layers, moved % h,
+                         torch.full_like(moved, slots - 1), free.flatten()[moved])
+    layer.fill_free_slots_from_last()
+
+
+def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_logits: bool) -> int | None:
+    """The entries a request stores before its step's token when its compaction `due` can be decided in a batch, else
+    None: an in-place method fed only its probabilities (`in_place_decode`, `attention_only_decode`), one decode
+    step whose logits kvtrim's attention backend computed (`has_logits`), nothing to copy or register, and a
+    decision layer where the request is (its own `LiveInPlace` with its last slot free, or its batch's rows) that
+    keeps the count the scheduler planned (one entry out per layer and KV head)."""
+    if not (method.in_place_decode and method.attention_only_decode and has_logits and not due.copies
+            and due.registers is None and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE
+            and entries.hole is None):
+        return None
+    live, told = entries.live, due.end - 1
+    if isinstance(live, BatchRows):
+        stored = live.batch.stored
+        follows = live.batch.layer.seen - int(live.batch.shifts[live.index]) == told
+    elif isinstance(live, LiveInPlace):
+        kv = live.layer.kv
+        stored, free = kv.width, getattr(kv, "free_slots", None)
+        follows = (live.follows(told, entries.m, entries.states[0]) and free is not None
+                   and bool((free == stored).all()))  # its last slot free: the step's token goes there
+    else:
+        return None
+    return stored if follows and due.end - due.discarded == stored else None
+
+
+def batch_groups(due: list, request, logit_index: dict, one_scale: bool) -> tuple[list[list], list]:
+    """This step's compactions `due` `(req_id, Due, end)` split into the groups of two or more that are decided as
+    one batch each (`batch_key`) and the rest; `request(req_id)`: its `WorkerRequest`; `logit_index`: the requests
+    whose step's logits kvtrim's attention backend computed; `one_scale`: every layer has the same softmax scale."""
+    groups: dict[tuple | None, list] = {}
+    for item in due:
+        req = request(item[0])
+        stored = (batch_stored(req.entries, req.method, item[1], item[0] in logit_index)
+                  if one_scale and item[1].end == item[2] else None)  # (else `compact` says the plan is off)
+        groups.setdefault(None if stored is None else batch_key(req.method, stored, req.prompt_tokens), []).append(item)
+    rest = groups.pop(None, [])
+    for key in [key for key, items in groups.items() if len(items) == 1]:
+        rest += groups.pop(key)
+    return list(groups.values()), rest
+
+
+def decide_group(kv_caches: list[torch.Tensor], reqs: list, ids: list[str], block_ids: list[list[int]],
+                 ends: list[int], tap, scale: float, layout: BlockLayout) -> int:
+    """The decode steps of a group of requests `ids` (their `WorkerRequest`s `reqs`, blocks `block_ids`, tokens `ends`
+    after the step) on their batch: the one their rows are in when it holds exactly them in this order, else one
+    formed from their decision layers; their logits and queries taken from the attention backend's `tap`
+    (`QueryTap.take_logit_rows`). Returns the entries each stores afterwards."""
+    lives = [req.entries.live for req in reqs]
+    batch = getattr(lives[0], "batch", None)
+    if batch is None or batch.members != ids or any(getattr(live, "batch", None) is not batch for live in lives):
+        batch = LiveBatch.formed(reqs[0].method, ids, lives, reqs[0].prompt_tokens, len(kv_caches))
+    logits, queries = tap.take_logit_rows(ids, batch.stored + 1)
+    width = max(len(b) for b in block_ids)
+    tables = torch.tensor([b + b[:1] * (width - len(b)) for b in block_ids])  # padded with a block of its own
+    batch_decode_step(kv_caches, tables, batch, logits, queries, scale, layout)
+    for index, (req, end) in enumerate(zip(reqs, ends)):
+        req.entries.live, req.entries.seen = BatchRows(batch, index), end
+    return batch.stored

@@ -1,0 +1,28 @@
+"""What kvtrim's vLLM worker counts of its steps and evictions, since it started: logged every 16 steps and at each
+prompt's compaction as one `kvtrim: stats ...` line (read back by benchmarks/serving/report.py, fields by name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class WorkerStats:
+    #: model steps that ran tokens, and their seconds (`execute_model` + `sample_tokens`)
+    steps: int = 0
+    step_s: float = 0.0
+    #: of those seconds, choosing and moving what to keep (the scheduler's planning of every step included)
+    compaction_s: float = 0.0
+    #: compactions done and entries discarded by them
+    compactions: int = 0
+    evicted: int = 0
+    #: of `compaction_s`, the attention backend's logits of decode steps (`QueryTap.step_logits`)
+    logits_s: float = 0.0
+    #: of the compactions, those decided in a batch with other requests' (`kvtrim.vllm.live_batch`)
+    batched: int = 0
+
+    def line(self) -> str:
+        """`kvtrim: stats steps=... step_s=... ...` (seconds to the millisecond)."""
+        shown = (f"{f.name}={getattr(self, f.name):.3f}" if f.type == "float" else f"{f.name}={getattr(self, f.name)}"
+                 for f in fields(self))
+        return "kvtrim: stats " + " ".join(shown)
