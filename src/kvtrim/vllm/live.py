@@ -6,7 +6,8 @@ step (`kvtrim.vllm.compact` hands each such step to it):
   in the blocks' own slot order, as transformers' in-place decoding does; the step's logits (slot order, from
   kvtrim's attention backend) are its probabilities as they come; the entry the method evicts leaves its slot,
   which the step's token (in the last slot) then fills, in the blocks and in the layer alike (`move_slots`,
-  `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted.
+  `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted. The worker decides
+  the steps of several such requests of one method as one batch (`kvtrim.vllm.live_batch`).
 * `LiveDecode` (any other: LazyEviction, which evicts many entries every `window` steps): the layer in position
   order, its slots mapped to the blocks' (`slot_positions`, `by_position`).
 """
@@ -134,19 +135,25 @@ class LiveInPlace:
         """The layer resumed from the request's slot positions `(layers, h, stored)` and its `state` (position order)
         after `told` tokens, in slot order, the slot after them free for the step's token."""
         n_layers, h, stored = slot_positions.shape
-        cache = TrimCache(method)
-        layer = TrimLayer(method, 0, owner=cache)
-        cache.layers.append(layer)
-        if state is None:
-            state = layer.state
-        else:  # position order -> slot order (slot j: the rank of its position), the free slot's afresh
+        if state is not None:  # position order -> slot order (slot j: the rank of its position), the free slot's afresh
             rank = slot_positions.argsort(dim=-1).argsort(dim=-1)
             state = method.gather_state(state, torch.cat([rank, rank[..., :1]], dim=-1))
             state = method.free_state(state, torch.full((n_layers, h), stored))
-        stand_in = torch.zeros(n_layers, h, stored + 1, 1)
         positions = torch.cat([slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
-        layer.resume(stand_in, stand_in.clone(), positions, told, prompt_tokens if told >= prompt_tokens else None,
-                     state, free_slot=stored)
+        return cls.on_slots(method, positions, state, told, prompt_tokens)
+
+    @classmethod
+    def on_slots(cls, method: EvictionMethod, positions: torch.Tensor, state: Any, seen: int,
+                 prompt_tokens: int) -> LiveInPlace:
+        """A layer on stand-in keys whose rows hold the slot positions `positions` `(rows, h, stored + 1)`, the last
+        slot free (the next step's token goes there), and the method's `state` in that order (None: a fresh one),
+        after `seen` tokens of a prompt of `prompt_tokens`."""
+        cache = TrimCache(method)
+        layer = TrimLayer(method, 0, owner=cache)
+        cache.layers.append(layer)
+        stand_in = torch.zeros(*positions.shape, 1)
+        layer.resume(stand_in, stand_in.clone(), positions, seen, prompt_tokens if seen >= prompt_tokens else None,
+                     layer.state if state is None else state, free_slot=positions.shape[-1] - 1)
         return cls(cache)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvtrim.attention import softmax_probabilities
-from kvtrim.cache import TrimCache, TrimLayer
+from kvtrim.cache import TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm.block_io import move_table_slots
 from kvtrim.vllm.block_layout import BlockLayout
@@ -40,14 +40,14 @@ class LiveBatch:
     `(members * layers, kv_heads, stored + 1)`, request-major, on stand-in keys, positions rebased by `shifts` `(R,)`
     (a request's position + its shift); after each step its last slot is free (the next step's token)."""
 
-    cache: TrimCache
+    live: LiveInPlace
     members: list[str]
     shifts: torch.Tensor
     n_layers: int
 
     @property
     def layer(self) -> TrimLayer:
-        return self.cache.layers[0]
+        return self.live.layer
 
     @property
     def stored(self) -> int:
@@ -70,13 +70,9 @@ class LiveBatch:
         seen = max(told for _, _, told in parts)
         shifts = torch.tensor([seen - told for _, _, told in parts])
         positions = torch.cat([p + shift for (p, _, _), shift in zip(parts, shifts.tolist())])
-        state = method.stack_states([s for _, s, _ in parts])
-        cache = TrimCache(method)
-        layer = TrimLayer(method, 0, owner=cache)
-        cache.layers.append(layer)
-        stand_in = torch.zeros(*positions.shape, 1)
-        layer.resume(stand_in, stand_in.clone(), positions, seen, prompt_tokens, state, free_slot=width - 1)
-        return cls(cache, list(members), shifts, n_layers)
+        live = LiveInPlace.on_slots(method, positions, method.stack_states([s for _, s, _ in parts]), seen,
+                                    prompt_tokens)
+        return cls(live, list(members), shifts, n_layers)
 
 
 @dataclass
@@ -99,17 +95,9 @@ class BatchRows:
         """Give the request its own decision layer again (a `LiveInPlace` of its rows) and its `entries`' positions
         and states as that layer has them (`kvtrim.vllm.compact` then goes on as after its own decode step)."""
         positions, state, seen = self.own_rows()
-        method = self.batch.layer.method
-        cache = TrimCache(method)
-        layer = TrimLayer(method, 0, owner=cache)
-        cache.layers.append(layer)
-        stand_in = torch.zeros(*positions.shape, 1)
-        stored = positions.shape[-1] - 1
-        layer.resume(stand_in, stand_in.clone(), positions, seen, prompt_tokens if seen >= prompt_tokens else None,
-                     state, free_slot=stored)
-        entries.positions = list(positions[..., :stored].unbind(0))
+        entries.live = LiveInPlace.on_slots(self.batch.layer.method, positions, state, seen, prompt_tokens)
+        entries.positions = list(positions[..., :-1].unbind(0))
         entries.states = [state] * positions.shape[0]
-        entries.live = LiveInPlace(cache)
 
 
 def batch_key(method: EvictionMethod, stored: int, prompt_tokens: int) -> tuple:
@@ -131,8 +119,8 @@ def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch
           f"the step's logits {tuple(logits.shape)} do not cover the batch's {rows} rows of {slots} entries")
     probs = softmax_probabilities(logits, None, scale)
     stand_in = torch.zeros(1, 1, 1, 1).expand(rows, h, 1, 1)
-    with batch.cache.phase(Phase.DECODE):
-        full = batch.cache.update(stand_in, stand_in, 0)
+    with batch.live.cache.phase(Phase.DECODE):
+        full = batch.live.cache.update(stand_in, stand_in, 0)
     hand_over(layer, Phase.DECODE, 1, full, None, queries, scale, probs)
     free = getattr(layer.kv, "free_slots", None)
     check(free is not None and layer.kv.width == slots - 1,
