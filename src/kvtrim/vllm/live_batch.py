@@ -37,12 +37,12 @@ from kvtrim.vllm.planning import Due
 @dataclass
 class LiveBatch:
     """The decision layer of a group's requests `members` (their ids, in row order): one `TrimLayer` whose rows are
-    `(members * layers, kv_heads, stored + 1)`, request-major, on stand-in keys, positions rebased by `shifts` `(R,)`
+    `(members * layers, kv_heads, stored + 1)`, request-major, on stand-in keys, positions rebased by `shifts` (one per member)
     (a request's position + its shift); after each step its last slot is free (the next step's token)."""
 
     live: LiveInPlace
     members: list[str]
-    shifts: torch.Tensor
+    shifts: list[int]
     n_layers: int
 
     @property
@@ -68,8 +68,8 @@ class LiveBatch:
         width = parts[0][0].shape[-1]
         check(all(p.shape[-1] == width for p, _, _ in parts), "the requests of one batch store different counts")
         seen = max(told for _, _, told in parts)
-        shifts = torch.tensor([seen - told for _, _, told in parts])
-        positions = torch.cat([p + shift for (p, _, _), shift in zip(parts, shifts.tolist())])
+        shifts = [seen - told for _, _, told in parts]
+        positions = torch.cat([p + shift for (p, _, _), shift in zip(parts, shifts)])
         live = LiveInPlace.on_slots(method, positions, method.stack_states([s for _, s, _ in parts]), seen,
                                     prompt_tokens)
         return cls(live, list(members), shifts, n_layers)
@@ -87,7 +87,7 @@ class BatchRows:
         """Its slot positions `(layers, h, stored + 1)` (the free last slot included), its state in that order and
         the tokens it has seen: copies of its rows, shift undone."""
         batch, rows = self.batch, self.batch.rows(self.index)
-        layer, shift = batch.layer, int(batch.shifts[self.index])
+        layer, shift = batch.layer, batch.shifts[self.index]
         return (layer.kv.positions.index_select(0, rows) - shift, layer.method.state_rows(layer.state, rows),
                 layer.seen - shift)
 
@@ -147,7 +147,7 @@ def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_
     live, told = entries.live, due.end - 1
     if isinstance(live, BatchRows):
         stored = live.batch.stored
-        follows = live.batch.layer.seen - int(live.batch.shifts[live.index]) == told
+        follows = live.batch.layer.seen - live.batch.shifts[live.index] == told
     elif isinstance(live, LiveInPlace):
         kv = live.layer.kv
         stored, free = kv.width, getattr(kv, "free_slots", None)
