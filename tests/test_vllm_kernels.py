@@ -44,3 +44,20 @@ def test_other_layouts_keep_their_torch_function():
 
     fn, named = kernels.table_key_logits(layout_flash)
     assert fn is layout_flash.table_key_logits and named.startswith("torch ops")
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on():
+    """PyTorch's build `lock` a killed build leaves made every later server wait forever at start: a build now finds
+    it under kvtrim's own OS lock (`build.lock`, which a dead process no longer holds) and removes it."""
+    import os
+    from torch.utils import cpp_extension
+
+    name = kernels.kernel_name()
+    module, _ = kernels.build(name)  # built (or loaded) once
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    lock = os.path.join(root, "kvtrim", name, "lock")
+    open(lock, "w").close()  # what a build killed half-way leaves
+    again, stale = kernels._within(lambda: kernels.build(name), 60.0)  # PyTorch alone would wait forever
+    assert stale and not os.path.exists(lock)
+    assert again.table_key_logits is not None
+    assert kernels.build(name)[1] is False  # nothing left to remove

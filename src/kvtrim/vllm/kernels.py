@@ -3,8 +3,9 @@
 request's blocks into a copy, which the torch functions of `kvtrim.vllm.layout` / `layout_amx` need and which
 costs the most of a step's logits), every request and KV head of a layer in one parallel loop.
 
-The kernel is C++ built once per machine through PyTorch's extension point (`torch.utils.cpp_extension.load_inline`,
-cached by PyTorch, ~30 s the first time: a compiler is what vLLM's CPU build needs too). It reads the key halves of
+The kernel is C++ built once per machine and Python environment through PyTorch's extension point
+(`torch.utils.cpp_extension.load_inline`, cached by PyTorch, ~30 s the first time: a compiler is what vLLM's CPU build
+needs too; `build`: one process at a time, a killed build's lock removed; `load`: at most `BUILD_TIMEOUT_S`). It reads the key halves of
 vLLM's CPU kernels "vec"/"vec16" (keys channel-major per block) and "amx" (packed in channel pairs per 16 tokens), in
 float32 or bfloat16, accumulates in float32 and rounds to the cache's dtype, as the torch functions' product does.
 `table_key_logits(layout)` gives the function the worker's attention backend calls (`QueryTap.step_logits`): the
@@ -13,8 +14,12 @@ kernel's, or the layout's own torch function when the kernel does not build (the
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import os
+import sys
+import threading
 import time
 from types import ModuleType
 from typing import Callable
@@ -157,22 +162,74 @@ torch::Tensor table_key_logits(torch::Tensor kv_cache, torch::Tensor block_table
 KERNEL_LAYOUTS = {cpu_vec: False, layout_amx: True}
 
 
+#: the longest a worker waits for the kernel (another worker's build included) before it goes on with the torch
+#: functions; a first build takes ~30 s
+BUILD_TIMEOUT_S = 300.0
+
+
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
-    """The built kernel module (built once per machine: PyTorch caches it) and one line saying how, or None and
-    why it did not build."""
-    from torch.utils import cpp_extension
-
-    machine = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]  # -march=native: one build per kind of CPU
-    name = f"kvtrim_step_logits_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]}_{machine}"
+    """The built kernel module (built once per machine and Python environment: PyTorch caches it) and one line
+    saying how, or None and why not (no compiler, a build that failed or took over `BUILD_TIMEOUT_S`)."""
     start = time.perf_counter()
     try:
-        module = cpp_extension.load_inline(name, cpp_sources=_SOURCE, functions=["table_key_logits"],
-                                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                           extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # noqa: BLE001 - no compiler, no headers: the torch functions do the work
+        module, stale = _within(functools.partial(build, kernel_name()), BUILD_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - no compiler, no headers, too slow: the torch functions do the work
         return None, f"kvtrim's C++ kernel did not build ({one_line(err)[:200]})"
-    return module, f"kvtrim's C++ kernel (loaded in {time.perf_counter() - start:.1f} s)"
+    removed = "; a build killed half-way had left its lock: removed" if stale else ""
+    return module, f"kvtrim's C++ kernel (loaded in {time.perf_counter() - start:.1f} s{removed})"
+
+
+def kernel_name() -> str:
+    """The kernel's extension name: its source, the kind of CPU (`-march=native`), the Python environment and torch
+    (the build flags name the environment's include paths: two environments sharing one name rebuild it in turn)."""
+    machine = hashlib.sha1(f"{_cpu_model()}|{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:8]
+    return f"kvtrim_step_logits_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]}_{machine}"
+
+
+def build(name: str, source: str = _SOURCE, functions: tuple[str, ...] = ("table_key_logits",)) -> tuple[ModuleType, bool]:
+    """Build (or load, when built) `source` as extension `name` in its own folder under PyTorch's extension root,
+    one process at a time, and whether a lock left by a build killed half-way was removed first.
+
+    PyTorch guards a build folder with a `lock` file a killed build leaves behind, on which every later build waits
+    forever. Here every build of the folder holds an OS lock on `build.lock` first (released by the OS when its
+    process dies): under it no other build runs, so a `lock` found is a dead build's."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = os.path.join(root, "kvtrim", name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "build.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = os.path.exists(os.path.join(folder, "lock"))
+        if stale:
+            os.remove(os.path.join(folder, "lock"))
+        module = cpp_extension.load_inline(name, cpp_sources=source, functions=list(functions),
+                                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                           extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False)
+    return module, stale
+
+
+def _within(fn: Callable, timeout_s: float):
+    """`fn()` run in a thread, its result within `timeout_s` seconds or TimeoutError (the thread is left to finish:
+    a build that ends later is cached for the next start)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            out.append((False, err))
+
+    thread = threading.Thread(target=run, name="kvtrim-kernel-build", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not out:
+        raise TimeoutError(f"not built within {timeout_s:.0f} s")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _cpu_model() -> str:

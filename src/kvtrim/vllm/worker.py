@@ -102,6 +102,7 @@ class TrimModelRunner(CPUModelRunner):
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
+        kernels.load()  # built (once per machine) before vLLM sizes its KV cache out of the memory left
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
