@@ -316,7 +316,7 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
     for items in runs:
         from vllm import SamplingParams
 
-        taken = report(llm, tmp_path)["logits_taken"]
+        taken = report(llm, tmp_path)["probs_taken"]
 
         prompts = [{"prompt_token_ids": tok(REQUESTS[p][0]).input_ids} for _, p, _, _ in items]
         params = [SamplingParams(max_tokens=TOVA_TOKENS, temperature=0, ignore_eos=True,
@@ -325,7 +325,7 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
         r = report(llm, tmp_path)
         # every decode step's probabilities came from the logits kvtrim's attention backend computed for it
         fed = sum(spec.split(":")[0] in ("tova", "h2o", "lazyeviction") for _, _, spec, _ in items)
-        assert r["logits_taken"] - taken == fed * (TOVA_TOKENS - 1)
+        assert r["probs_taken"] - taken == fed * (TOVA_TOKENS - 1)
         for (name, prompt, spec, _), output in zip(items, outputs):
             assert len(output.token_ids) == TOVA_TOKENS and name not in r["failed"], (name, r["failed"].get(name))
             if spec not in specs:

@@ -39,6 +39,39 @@ def test_the_kernel_computes_what_the_layouts_torch_function_does(layout, isa, d
     assert not torch.allclose(other.float(), expected.float(), rtol=0.1, atol=0.1)
 
 
+@pytest.mark.parametrize("layout,isa", [(cpu_vec, "vec"), (layout_amx, "amx")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_probabilities_are_softmax_probabilities_of_each_requests_entries(layout, isa, dtype, kernel):
+    """`table_key_probs` (the kernel's, and torch's where it does not build): each request's probabilities over its own first `length` entries (a length inside a block,
+    one at a block's end, one of a single entry), as `softmax_probabilities` computes them from the layout's logits,
+    0 past them; the kernel's exp and sums within float32's rounding, so in bfloat16 a probability may round one unit
+    apart."""
+    if isa == "amx" and dtype != torch.bfloat16:
+        pytest.skip("vLLM's amx kernel stores bfloat16 only")
+    from kvtrim.attention import softmax_probabilities
+
+    fn, how = kernels.table_key_probs(layout)
+    assert how.startswith("kvtrim's C++ kernel"), how
+    fn = fn if kernel else kernels.torch_key_probs(layout)
+    torch.manual_seed(1)
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    n = NB * BS
+    kernel_write(cache, (3 * torch.randn(n, H, D)).to(dtype), torch.randn(n, H, D).to(dtype), torch.arange(n), isa)
+    table = torch.tensor([[4, 0, 7], [2, 2, 2], [8, 1, 5], [3, 6, 0]])
+    lengths = torch.tensor([3 * BS - 5, 1, 2 * BS, BS + 1])
+    query = torch.randn(4, Q_HEADS, D).to(dtype)
+    got = fn(cache, table, query, lengths, D ** -0.5)
+    assert got.dtype == dtype and got.shape == (4, Q_HEADS, 3 * BS)
+    logits = layout.table_key_logits(cache, table, query)
+    for r, length in enumerate(lengths.tolist()):
+        expected = softmax_probabilities(logits[r, :, None, :length].clone(), None, D ** -0.5)[:, 0]
+        assert torch.allclose(got[r, :, :length].float(), expected.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6,
+                              atol=1e-6), (r, (got[r, :, :length].float() - expected.float()).abs().max())
+        assert torch.allclose(got[r, :, :length].float().sum(-1), torch.ones(Q_HEADS), atol=1e-2)
+        assert not got[r, :, length:].any()
+
+
 def test_other_layouts_keep_their_torch_function():
     from kvtrim.vllm import layout_flash
 

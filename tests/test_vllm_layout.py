@@ -15,9 +15,10 @@ import kvtrim.vllm.compact as compact_module  # noqa: E402
 from kvtrim.vllm.block_io import fill_holes  # noqa: E402
 from kvtrim.vllm.compact import compact  # noqa: E402
 from kvtrim.vllm.entries import RequestEntries  # noqa: E402
+from kvtrim.vllm import layout as cpu_vec  # noqa: E402
+from kvtrim.vllm.kernels import torch_key_probs  # noqa: E402
 from kvtrim.vllm.planning import StoredCounts, forward_steps  # noqa: E402
-from kvtrim.vllm.layout import (move_entries, read_keys, read_request, slot_places, table_key_logits,  # noqa: E402
-                               write_entries)
+from kvtrim.vllm.layout import move_entries, read_keys, read_request, slot_places, write_entries  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm  # noqa: E402
 from test_vllm_counts import block_forwards  # noqa: E402
 
@@ -523,15 +524,16 @@ def decode_as_the_engine(spec, prompt, forwards, one_allocation, dtype):
                 for c in range(0, prompt, 16):
                     add_prompt_sums(sums, caches, blocks, [q[:, c:min(c + 16, prompt)] for q in queries], c,
                                     [scale] * n_layers, method.prefill_block)
-            last, step_logits = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, None
-            if one_allocation and end == start + 1 > prompt:  # the step's logits as kvtrim's attention backend computes them
-                stored = end - gone
-                step_logits = torch.stack([table_key_logits(kv, blocks[None, :-(-stored // BS)], q[None, :, 0])
+            last, step_probs = [q[:, max(start, prompt):end] for q in queries] if end > prompt else None, None
+            if one_allocation and end == start + 1 > prompt:  # the step's probabilities as kvtrim's attention backend
+                stored = end - gone                              # computes them
+                step_probs = torch.stack([torch_key_probs(cpu_vec)(kv, blocks[None, :-(-stored // BS)], q[None, :, 0],
+                                                                   torch.tensor([stored]), scale)
                                            for kv, q in zip(caches, last)])[:, 0, :, None, :stored]
                 last = torch.stack(last)
             gone = compact(caches, blocks, method, entries, steps, end, prompt,
                            None if sums else [q[:, prompt - window:prompt] for q in queries], [scale] * n_layers,
-                           last, sums, step_logits=step_logits)
+                           last, sums, step_probs=step_probs)
             assert gone == counts.discarded
             due_decodes += end == start + 1 > prompt
             if entries.live is not None and not any(c is entries.live.cache for c in live_layers):

@@ -12,7 +12,8 @@ from kvtrim.vllm.attention import QueryTap  # noqa: E402
 from kvtrim.vllm.block_io import add_prompt_sums  # noqa: E402
 from kvtrim.vllm.compact import compact  # noqa: E402
 from kvtrim.vllm.entries import WorkerRequest  # noqa: E402
-from kvtrim.vllm.layout import read_request, table_key_logits  # noqa: E402
+from kvtrim.vllm.kernels import torch_key_probs  # noqa: E402
+from kvtrim.vllm.layout import read_request  # noqa: E402
 from kvtrim.vllm.live_batch import BatchRows, batch_groups, batch_key, decide_group  # noqa: E402
 from kvtrim.vllm.planning import Due, StoredCounts, forward_steps  # noqa: E402
 from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums  # noqa: E402
@@ -46,16 +47,17 @@ class Request:
         due = self.counts.advance(steps)
         return Due(steps, end, self.counts.discarded) if due else None
 
-    def step_logits(self, caches):
-        """The step's logits `(layers, q_heads, stored_blocks * BS)` and queries `(layers, q_heads, D)`, as kvtrim's
-        attention backend computes them."""
+    def step_probs(self, caches):
+        """The step's probabilities `(layers, q_heads, stored_blocks * BS)` and queries `(layers, q_heads, D)`, as
+        kvtrim's attention backend computes them (torch's function: the kernel's rounding is not what is tested)."""
         stored, t = self.end - self.gone, self.end - 1
-        table = self.blocks[None, :-(-stored // BS)]
-        logits = torch.stack([table_key_logits(kv, table, q[None, :, t])[0] for kv, q in zip(caches, self.queries)])
-        return logits, torch.stack([q[:, t] for q in self.queries])
+        table, lengths = self.blocks[None, :-(-stored // BS)], torch.tensor([stored])
+        probs = torch.stack([torch_key_probs(cpu_vec)(kv, table, q[None, :, t], lengths, SCALE)[0]
+                             for kv, q in zip(caches, self.queries)])
+        return probs, torch.stack([q[:, t] for q in self.queries])
 
 
-def compact_alone(caches, req, due, logits=None, queries=None):
+def compact_alone(caches, req, due, probs=None, queries=None):
     """`compact` for one request, as the worker runs it outside a batch."""
     method, prompt = req.worker.method, req.prompt
     sums = window = None
@@ -67,10 +69,10 @@ def compact_alone(caches, req, due, logits=None, queries=None):
                                 [SCALE] * LAYERS, method.prefill_block)
         else:
             window = [q[:, prompt - prompt_queries(method):prompt] for q in req.queries]
-    step_logits = None if logits is None else logits[..., None, :req.end - req.gone].clone()
+    step_probs = None if probs is None else probs[..., None, :req.end - req.gone].clone()
     last = queries[:, :, None] if queries is not None else None
     req.gone = compact(caches, req.blocks, method, req.worker.entries, due.steps, due.end, prompt, window,
-                       [SCALE] * LAYERS, last, sums, step_logits=step_logits)
+                       [SCALE] * LAYERS, last, sums, step_probs=step_probs)
     assert req.gone == due.discarded
 
 
@@ -94,26 +96,26 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec):
     for reqs, kv in ((batched, caches), (alone, reference)):
         for req in reqs:  # the prompt, then one decode step alone: each request gets its own live layer
             for end in (req.prompt, req.prompt + 1):
-                compact_alone(kv, req, req.write(kv, end), *(req.step_logits(kv) if end > req.prompt else ()))
+                compact_alone(kv, req, req.write(kv, end), *(req.step_probs(kv) if end > req.prompt else ()))
     formed = set()
     for step in range(steps):
         tap, due = QueryTap(), []
         stepped = []
-        for req in batched:  # the step's forward: each request's entry written, its logits computed
+        for req in batched:  # the step's forward: each request's entry written, its probabilities computed
             assert req.write(caches, req.end + 1) is not None
-            stepped.append(req.step_logits(caches))
-        tap.logits = torch.stack([s[0] for s in stepped])
-        tap.logit_queries = torch.stack([s[1] for s in stepped])
+            stepped.append(req.step_probs(caches))
+        tap.probs = torch.stack([s[0] for s in stepped])
+        tap.prob_queries = torch.stack([s[1] for s in stepped])
         for r, req in enumerate(batched):
             plan = Due(forward_steps(req.end - 1, req.end, req.prompt), req.end, req.counts.discarded)
             if alone_at.get(step) == r:  # not in the batch this step: decided alone (its rows come back to it)
-                logits, queries = stepped[r]
-                compact_alone(caches, req, plan, logits, queries)
+                probs, queries = stepped[r]
+                compact_alone(caches, req, plan, probs, queries)
             else:
-                tap.logit_index[str(r)] = (r, req.end - req.gone)
+                tap.prob_index[str(r)] = (r, req.end - req.gone)
                 due.append((str(r), plan, req.end))
         requests = {str(r): req.worker for r, req in enumerate(batched)}
-        groups, rest = batch_groups(due, requests.get, tap.logit_index, True)
+        groups, rest = batch_groups(due, requests.get, tap.prob_index, True)
         assert rest == [] and len(groups) == 1 and len(groups[0]) == len(due)
         ids = [req_id for req_id, _, _ in groups[0]]
         members = [batched[int(i)] for i in ids]
@@ -124,7 +126,7 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec):
             assert m.gone == m.counts.discarded
             formed.add(id(m.worker.entries.live.batch))
         for req in alone:
-            compact_alone(reference, req, req.write(reference, req.end + 1), *req.step_logits(reference))
+            compact_alone(reference, req, req.write(reference, req.end + 1), *req.step_probs(reference))
         for b, a in zip(batched, alone):
             assert torch.equal(kept_positions(b.worker.entries), kept_positions(a.worker.entries))
     # formed at step 0, 8 (two members: 9 keeps it), 10, 20 (two) and 21

@@ -80,12 +80,12 @@ def test_the_attention_hand_off_is_in_every_layer(server):
     """`python -m vllm.entrypoints.openai.api_server` with kvtrim's flags (what `kvtrim serve` starts) builds
     kvtrim's CPU attention backend in every layer of SmolLM2 (30): the worker registers it when vLLM imports it.
     vLLM allocates the 30 layers' caches back to back in one allocation: the compaction moves entries in one copy
-    for all (`kvtrim.vllm.block_io.layers_as_blocks`); the decode steps' logits come from kvtrim's kernel
+    for all (`kvtrim.vllm.block_io.layers_as_blocks`); the decode steps' probabilities come from kvtrim's kernel
     (`kvtrim.vllm.kernels`: this machine has a compiler, as vLLM's CPU build needs)."""
     log = server.tail(100000)
     assert "kvtrim: attention hand-off on 30 layers" in log
     assert "kvtrim: the KV caches of the 30 layers lie back to back: one copy moves entries in all" in log
-    assert "kvtrim: decode-step logits of the methods fed attention by kvtrim's C++ kernel" in log
+    assert "kvtrim: decode-step probabilities of the methods fed attention by kvtrim's C++ kernel" in log
 
 
 @pytest.mark.parametrize("spec", ["nope", "kvzip:compression_ratio=0.5", "keydiff:compression_ratio=2", "snapkv:compression_ratio=0.5:block_size=64",

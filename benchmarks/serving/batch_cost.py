@@ -8,8 +8,8 @@ then `--steps` decode steps that each evict one entry per layer and KV head.
     # default: 1 thread (the operations are small), 60 steps, tova:budget=512 h2o:budget=512
 
 Prints per method the median ms of a step's decisions for all requests, alone and batched, and whether both kept
-the same entries. The step's logits (kvtrim's attention backend computes them for all requests at once in either
-case: `logits_cost.py`) are computed before and left out of both.
+the same entries. The step's probabilities (kvtrim's attention backend computes them for all requests at once in
+either case: `logits_cost.py`) are computed before and left out of both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SPECS = ["tova:budget=512", "h2o:budget=512"]
 SCALE = HEAD_DIM ** -0.5
 
 
-def setup(spec: str, logits_fn):
+def setup(spec: str, probs_fn):
     """The pool and 11 requests of `spec` after their prompt and first decode step (each on its own decision layer)."""
     torch.manual_seed(0)
     caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
@@ -48,32 +48,33 @@ def setup(spec: str, logits_fn):
         for start, end in ((0, PROMPT + r), (PROMPT + r, PROMPT + r + 1)):
             steps = forward_steps(start, end, req.prompt_tokens)
             counts.advance(steps)
-            queries = sums = last = step_logits = None
+            queries = sums = last = step_probs = None
             if start == 0:
                 queries = [torch.randn(Q_HEADS, prompt_queries(method), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
                 if prompt_sums(method):
                     queries, sums = None, [torch.rand(KV_HEADS, end) for _ in range(LAYERS)]
             else:
-                step_logits, last = step_of(caches, blocks, end - gone, logits_fn)
-                step_logits = step_logits[:, :, None]
+                step_probs, last = step_of(caches, blocks, end - gone, probs_fn)
+                step_probs = step_probs[:, :, None]
                 last = last[:, :, None]
             gone = compact(caches, blocks, method, req.entries, steps, end, req.prompt_tokens, queries,
-                           [SCALE] * LAYERS, last, sums, layout_amx, step_logits)
+                           [SCALE] * LAYERS, last, sums, layout_amx, step_probs)
         requests.append((str(r), req, blocks, counts))
     return caches, requests
 
 
-def step_of(caches, blocks, stored: int, logits_fn):
-    """A decode step's logits `(layers, q_heads, stored)` over a request's blocks and its queries `(layers, q_heads,
+def step_of(caches, blocks, stored: int, probs_fn):
+    """A decode step's probabilities `(layers, q_heads, stored)` over a request's blocks and its queries `(layers, q_heads,
     head_dim)`, as kvtrim's attention backend computes them."""
     queries = torch.randn(LAYERS, Q_HEADS, HEAD_DIM).bfloat16()
     table = blocks[None, :-(-stored // BLOCK)]
-    logits = torch.stack([logits_fn(kv, table, q[None])[0] for kv, q in zip(caches, queries)])
-    return logits[..., :stored], queries
+    lengths = torch.tensor([stored])
+    probs = torch.stack([probs_fn(kv, table, q[None], lengths, SCALE)[0] for kv, q in zip(caches, queries)])
+    return probs[..., :stored], queries
 
 
-def run(spec: str, steps: int, logits_fn) -> tuple[float, float, bool]:
-    caches, requests = setup(spec, logits_fn)
+def run(spec: str, steps: int, probs_fn) -> tuple[float, float, bool]:
+    caches, requests = setup(spec, probs_fn)
     twin_caches = list(torch.stack(caches).unbind(0))  # a second pool, in one allocation too
     twins = copy.deepcopy(requests)
     alone_s, batch_s = [], []
@@ -88,21 +89,21 @@ def run(spec: str, steps: int, logits_fn) -> tuple[float, float, bool]:
                 for pool in (kv, twin):
                     layout_amx.write_entries(pool, blocks, torch.arange(KV_HEADS), torch.full((KV_HEADS,), stored - 1),
                                              k, v)
-            inputs.append(step_of(caches, blocks, stored, logits_fn))
+            inputs.append(step_of(caches, blocks, stored, probs_fn))
             due.append((req_id, Due(forward_steps(end - 1, end, req.prompt_tokens), end, counts.discarded), end))
         start = time.perf_counter()
-        for (req_id, req, blocks, _), (logits, queries), (_, plan, end) in zip(twins, inputs, due):
+        for (req_id, req, blocks, _), (probs, queries), (_, plan, end) in zip(twins, inputs, due):
             compact(twin_caches, blocks, req.method, req.entries, plan.steps, end, req.prompt_tokens, None,
-                    [SCALE] * LAYERS, queries[:, :, None], None, layout_amx, logits[:, :, None].clone())
+                    [SCALE] * LAYERS, queries[:, :, None], None, layout_amx, probs[:, :, None].clone())
         alone_s.append(time.perf_counter() - start)
-        width = max(logits.shape[-1] for logits, _ in inputs)
-        tap.logits = torch.stack([torch.nn.functional.pad(logits, (0, width - logits.shape[-1])) for logits, _ in inputs])
-        tap.logit_queries = torch.stack([queries for _, queries in inputs])
-        tap.logit_index = {req_id: (r, logits.shape[-1])
-                           for r, ((req_id, *_), (logits, _)) in enumerate(zip(requests, inputs))}
+        width = max(probs.shape[-1] for probs, _ in inputs)
+        tap.probs = torch.stack([torch.nn.functional.pad(probs, (0, width - probs.shape[-1])) for probs, _ in inputs])
+        tap.prob_queries = torch.stack([queries for _, queries in inputs])
+        tap.prob_index = {req_id: (r, probs.shape[-1])
+                          for r, ((req_id, *_), (probs, _)) in enumerate(zip(requests, inputs))}
         start = time.perf_counter()
         reqs = {req_id: req for req_id, req, _, _ in requests}
-        groups, rest = batch_groups(due, reqs.get, tap.logit_index, True)
+        groups, rest = batch_groups(due, reqs.get, tap.prob_index, True)
         for items in groups:
             ids = [i for i, _, _ in items]
             decide_group(caches, [reqs[i] for i in ids], ids, [requests[int(i)][2].tolist() for i in ids],
@@ -127,9 +128,9 @@ if __name__ == "__main__":
             steps = int(args[1])
         args = args[2:]
     torch.set_num_threads(threads)
-    logits_fn, how = kernels.table_key_logits(layout_amx)
-    print(f"step logits by {how}; {REQUESTS} requests, {steps} decode steps, {threads} thread(s)")
+    probs_fn, how = kernels.table_key_probs(layout_amx)
+    print(f"step probabilities by {how}; {REQUESTS} requests, {steps} decode steps, {threads} thread(s)")
     print(f"{'method':<20} {'alone ms/step':>13} {'batched ms/step':>15} {'ratio':>6} {'same entries':>12}")
     for spec in args or SPECS:
-        alone, batched, same = run(spec, steps, logits_fn)
+        alone, batched, same = run(spec, steps, probs_fn)
         print(f"{spec:<20} {alone:>13.2f} {batched:>15.2f} {alone / batched:>6.1f} {str(same):>12}")

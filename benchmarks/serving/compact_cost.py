@@ -11,8 +11,8 @@ each) and what both cost per decode step on average (ms): the number to set besi
 (about 45 ms for 9-11 requests on this 2-core machine, i.e. 4-5 ms per request). A method fed attention
 (TOVA, H2O, LazyEviction) gets random queries (9 query heads), as the worker hands it the captured ones: the
 prompt's at its end (`prompt_queries`; H2O: random column sums instead, `prompt_sums`), each due forward's after it.
-Its decode steps' logits, which the worker's attention backend computes for all such requests of a step at once
-(`QueryTap.step_logits`), are timed apart ("backend logits ms": one request's, a batch of one, median) and left
+Its decode steps' probabilities, which the worker's attention backend computes for all such requests of a step at
+once (`QueryTap.step_probs`), are timed apart ("backend probs ms": one request's, a batch of one, median) and left
 out of the compactions.
 """
 
@@ -40,8 +40,9 @@ SPECS = ["keydiff:budget=512", "streaming:budget=512", "lagkv:keep_ratio=0.125"]
 LAYOUTS = {"vec": cpu_vec, "amx": layout_amx}
 
 
-def request_cost(spec: str, layout=cpu_vec, logits_fn=None) -> dict:
+def request_cost(spec: str, layout=cpu_vec, probs_fn=None) -> dict:
     """One request's planning and compactions under `spec` on the blocks of `layout`, timed (module docstring)."""
+    probs_fn = probs_fn or kernels.torch_key_probs(layout)
     method = parse_method_spec(spec).build()
     # every layer's cache in one allocation, back to back, as vLLM allocates them (`layers_as_blocks`)
     caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
@@ -59,7 +60,7 @@ def request_cost(spec: str, layout=cpu_vec, logits_fn=None) -> dict:
         forwards.append((start, stop))
         start = stop
     forwards += [(PROMPT + i, PROMPT + i + 1) for i in range(OUTPUT)]
-    plan_s, compactions, logits_s = [], [], []
+    plan_s, compactions, probs_s = [], [], []
     for computed, end in forwards:
         t0 = time.perf_counter()
         counts, due = plan_forward(counts, method, computed, end, PROMPT)
@@ -74,27 +75,27 @@ def request_cost(spec: str, layout=cpu_vec, logits_fn=None) -> dict:
         if due is not None:
             last = ([torch.randn(Q_HEADS, end - max(computed, PROMPT), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
                     if method.needs_attention and end > PROMPT else None)
-            step_logits = None
+            step_probs = None
             if method.attention_only_decode and end == computed + 1 > PROMPT:
-                # the worker's attention backend computes a decode step's logits right after each layer's attention,
+                # the worker's attention backend computes a decode step's probabilities right after each layer's attention,
                 # for every such request of the step at once: timed apart, one request's share (a batch of one)
                 last, stored = torch.stack(last), end - discarded
                 table = blocks[None, :-(-stored // BLOCK)]
-                t_logits = time.perf_counter()
-                step_logits = torch.stack([(logits_fn or layout.table_key_logits)(kv, table, q[None, :, 0])
+                t_probs = time.perf_counter()
+                step_probs = torch.stack([probs_fn(kv, table, q[None, :, 0], torch.tensor([stored]), scales[0])
                                            for kv, q in zip(caches, last)])
-                step_logits = step_logits[:, 0, :, None, :stored]
-                t3 += time.perf_counter() - t_logits
-                logits_s.append(time.perf_counter() - t_logits)
+                step_probs = step_probs[:, 0, :, None, :stored]
+                t3 += time.perf_counter() - t_probs
+                probs_s.append(time.perf_counter() - t_probs)
             discarded = compact(caches, blocks, method, entries, due.steps, due.end, PROMPT, queries, scales, last,
-                                sums if computed < PROMPT else None, layout, step_logits)
+                                sums if computed < PROMPT else None, layout, step_probs)
             if computed >= PROMPT:
                 compactions.append(time.perf_counter() - t3 + t2 - t1)
         if computed >= PROMPT:
             plan_s.append(t1 - t0)
     return {"plan_us": 1e6 * statistics.mean(plan_s), "compactions": len(compactions),
             "compaction_ms": 1e3 * statistics.median(compactions) if compactions else 0.0,
-            "logits_ms": 1e3 * statistics.median(logits_s) if logits_s else 0.0,
+            "probs_ms": 1e3 * statistics.median(probs_s) if probs_s else 0.0,
             "per_step_ms": 1e3 * (sum(plan_s) + sum(compactions)) / OUTPUT}
 
 
@@ -107,13 +108,13 @@ if __name__ == "__main__":
     if args[:1] == ["--layout"]:
         layout, args = LAYOUTS[args[1]], args[2:]
     torch.set_num_threads(threads)
-    # the backend's logits as the worker computes them: kvtrim's kernel (built in .venv-serve, which has ninja), or
+    # the backend's probabilities as the worker computes them: kvtrim's kernel (built in .venv-serve, which has ninja), or
     # the layout's torch function
-    logits_fn, how = kernels.table_key_logits(layout)
-    print(f"backend logits by {how}")
+    probs_fn, how = kernels.table_key_probs(layout)
+    print(f"backend probabilities by {how}")
     print(f"{'method':<26} {'plan µs/step':>12} {'compactions':>11} {'ms each':>8} {'ms per decode step':>18} "
-          f"{'backend logits ms':>17}")
+          f"{'backend probs ms':>17}")
     for spec in args or SPECS:
-        r = request_cost(spec, layout, logits_fn)
+        r = request_cost(spec, layout, probs_fn)
         print(f"{spec:<26} {r['plan_us']:>12.1f} {r['compactions']:>11d} {r['compaction_ms']:>8.2f} "
-              f"{r['per_step_ms']:>18.3f} {r['logits_ms']:>17.3f}")
+              f"{r['per_step_ms']:>18.3f} {r['probs_ms']:>17.3f}")

@@ -32,6 +32,8 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from kvtrim.vllm.kernels import torch_key_probs
+
 #: the attribute of an `Attention` module that holds the runner's `QueryTap`
 TAP_ATTR = "kvtrim_tap"
 #: what `register()` puts in place of vLLM's `CPU_ATTN`
@@ -72,27 +74,27 @@ class QueryTap:
     last_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: req_id -> per layer index, those rows' queries `(q_heads, rows, head_dim)` (taken by the compaction)
     last: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
-    #: this step's decode steps whose attention logits the backend computes right after each layer's attention
-    #: (methods that read only their probabilities there: TOVA, H2O, LazyEviction), req_id -> `(query row, block
-    #: ids, entries stored)`; `seal_logits` turns it into `logit_batch`
-    logit_plan: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
-    #: the sealed plan, `(query rows (R,), block table (R, U))`, or None: nothing to compute in this forward
-    logit_batch: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: the last sealed plan's requests, req_id -> (batch row, entries stored), and their logits `(R, layers,
-    #: q_heads, U * block_size)` in the cache's dtype, slot order, filled layer by layer (`step_logits`)
-    logit_index: dict[str, tuple[int, int]] = field(default_factory=dict)
-    logits: torch.Tensor | None = None
+    #: this step's decode steps whose attention probabilities the backend computes right after each layer's
+    #: attention (methods that read only their probabilities there: TOVA, H2O, LazyEviction), req_id -> `(query row,
+    #: block ids, entries stored)`; `seal_probs` turns it into `prob_batch`
+    prob_plan: dict[str, tuple[int, list[int], int]] = field(default_factory=dict)
+    #: the sealed plan, `(query rows (R,), block table (R, U), entries stored (R,))`, or None: nothing to compute
+    prob_batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: the last sealed plan's requests, req_id -> (batch row, entries stored), and their probabilities `(R, layers,
+    #: q_heads, U * block_size)` in the cache's dtype, slot order, filled layer by layer (`step_probs`)
+    prob_index: dict[str, tuple[int, int]] = field(default_factory=dict)
+    probs: torch.Tensor | None = None
     #: their queries `(R, layers, q_heads, head_dim)` (what `last` holds for the other requests)
-    logit_queries: torch.Tensor | None = None
-    #: the KV block layout the logits are read with (`kvtrim.vllm.block_layout`; set by the worker)
+    prob_queries: torch.Tensor | None = None
+    #: the KV block layout the probabilities are read with (`kvtrim.vllm.block_layout`; set by the worker)
     layout: Any = None
-    #: the function computing them (`kvtrim.vllm.kernels.table_key_logits`: kvtrim's kernel, or the layout's torch
-    #: function; set by the worker; None: the layout's)
-    logits_fn: Any = None
-    #: seconds spent on the logits since the worker last took them (`take_seconds`: eviction time)
+    #: the function computing them (`kvtrim.vllm.kernels.table_key_probs`: kvtrim's kernel, or torch's; set by the
+    #: worker; None: torch's on the layout's logits)
+    probs_fn: Any = None
+    #: seconds spent on the probabilities since the worker last took them (`take_seconds`: eviction time)
     seconds: float = 0.0
-    #: decode steps whose logits were taken so far (for logs and tests)
-    logits_taken: int = 0
+    #: decode steps whose probabilities were taken so far (for logs and tests)
+    probs_taken: int = 0
 
     @property
     def active(self) -> bool:
@@ -100,66 +102,69 @@ class QueryTap:
         return bool(self.rows) or bool(self.last_rows)
 
     def clear_plan(self) -> None:
-        """Plan nothing for the next forward (a dummy run copies nothing; the logits computed stay to be taken)."""
-        self.rows, self.last_rows, self.logit_plan, self.logit_batch = {}, {}, {}, None
+        """Plan nothing for the next forward (a dummy run copies nothing; the probabilities computed stay to be
+        taken)."""
+        self.rows, self.last_rows, self.prob_plan, self.prob_batch = {}, {}, {}, None
 
-    def plan_logits(self, req_id: str, row: int, block_ids: list[int], stored: int) -> None:
-        """This step's query row `row` is request `req_id`'s decode step, whose logits over its `stored` entries (in
-        its blocks `block_ids`, slot order) the backend computes after each layer's attention."""
-        self.logit_plan[req_id] = (row, block_ids, stored)
+    def plan_probs(self, req_id: str, row: int, block_ids: list[int], stored: int) -> None:
+        """This step's query row `row` is request `req_id`'s decode step, whose probabilities over its `stored`
+        entries (in its blocks `block_ids`, slot order) the backend computes after each layer's attention."""
+        self.prob_plan[req_id] = (row, block_ids, stored)
 
-    def seal_logits(self, block_size: int) -> None:
-        """Turn this step's `logit_plan` into one batch (`logit_batch`): each request's blocks as a row of one table,
-        a shorter row padded with its first block (`table_key_logits`), before the forward."""
-        self.logits, self.logit_index = None, {}
-        if not self.logit_plan:
-            self.logit_batch = None
+    def seal_probs(self, block_size: int) -> None:
+        """Turn this step's `prob_plan` into one batch (`prob_batch`): each request's blocks as a row of one table,
+        a shorter row padded with its first block (`table_key_probs`), before the forward."""
+        self.probs, self.prob_index = None, {}
+        if not self.prob_plan:
+            self.prob_batch = None
             return
-        used = {req_id: -(-stored // block_size) for req_id, (_, _, stored) in self.logit_plan.items()}
+        used = {req_id: -(-stored // block_size) for req_id, (_, _, stored) in self.prob_plan.items()}
         width = max(used.values())
         rows, table, index = [], [], {}
-        for r, (req_id, (row, block_ids, stored)) in enumerate(self.logit_plan.items()):
+        for r, (req_id, (row, block_ids, stored)) in enumerate(self.prob_plan.items()):
             ids = block_ids[:used[req_id]]
             rows.append(row)
             table.append(ids + ids[:1] * (width - len(ids)))
             index[req_id] = (r, stored)
-        self.logit_batch, self.logit_index = (torch.tensor(rows), torch.tensor(table)), index
+        stored = torch.tensor([stored for _, stored in index.values()])
+        self.prob_batch, self.prob_index = (torch.tensor(rows), torch.tensor(table), stored), index
 
-    def step_logits(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """Compute layer `layer_name`'s logits of this step's planned decode steps from its `query` `(num_tokens,
-        q_heads, head_dim)` and its cache, right after its attention (the step's keys were written before it)."""
+    def step_probs(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+        """Compute layer `layer_name`'s probabilities of this step's planned decode steps from its `query`
+        `(num_tokens, q_heads, head_dim)`, its cache and its softmax `scale`, right after its attention (the step's
+        keys were written before it)."""
         start = time.perf_counter()
-        rows, table = self.logit_batch
-        q = query.index_select(0, rows)
-        logits = (self.logits_fn or self.layout.table_key_logits)(kv_cache, table, q.to(kv_cache.dtype))
-        if self.logits is None:  # request-major: a batch of the step's requests is a view (`take_logit_rows`)
-            self.logits = logits.new_empty((logits.shape[0], len(self.layers), *logits.shape[1:]))
-            self.logit_queries = q.new_empty((q.shape[0], len(self.layers), *q.shape[1:]))
+        rows, table, stored = self.prob_batch
+        q = query.index_select(0, rows).to(kv_cache.dtype)
+        probs = (self.probs_fn or torch_key_probs(self.layout))(kv_cache, table, q, stored, scale)
+        if self.probs is None:  # request-major: a batch of the step's requests is a view (`take_prob_rows`)
+            self.probs = probs.new_empty((probs.shape[0], len(self.layers), *probs.shape[1:]))
+            self.prob_queries = q.new_empty((q.shape[0], len(self.layers), *q.shape[1:]))
         idx = self.layers[layer_name]
-        self.logits[:, idx], self.logit_queries[:, idx] = logits, q
+        self.probs[:, idx], self.prob_queries[:, idx] = probs, q
         self.seconds += time.perf_counter() - start
 
-    def take_logits(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Request `req_id`'s decode step logits of this step, per layer `(layers, q_heads, 1, stored)` in slot
-        order (unscaled, the cache's dtype), and its queries `(layers, q_heads, 1, head_dim)`; None when none were
-        computed."""
-        if self.logits is None or req_id not in self.logit_index:
+    def take_probs(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Request `req_id`'s decode step probabilities of this step, per layer `(layers, q_heads, 1, stored)` in slot
+        order (`softmax_probabilities`' rule, the cache's dtype), and its queries `(layers, q_heads, 1, head_dim)`;
+        None when none were computed."""
+        if self.probs is None or req_id not in self.prob_index:
             return None
-        r, stored = self.logit_index.pop(req_id)
-        self.logits_taken += 1
-        return self.logits[r, :, :, None, :stored], self.logit_queries[r, :, :, None]
+        r, stored = self.prob_index.pop(req_id)
+        self.probs_taken += 1
+        return self.probs[r, :, :, None, :stored], self.prob_queries[r, :, :, None]
 
-    def take_logit_rows(self, req_ids: list[str], stored: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`take_logits` for requests `req_ids` that each store `stored` entries, as one batch, request-major:
-        logits `(requests * layers, q_heads, 1, stored)` and queries `(requests * layers, q_heads, 1, head_dim)`
-        (views when they are this step's rows in order, else copies)."""
-        rows = [self.logit_index.pop(req_id)[0] for req_id in req_ids]
-        self.logits_taken += len(rows)
-        logits, queries = self.logits, self.logit_queries
-        if rows != list(range(logits.shape[0])):
+    def take_prob_rows(self, req_ids: list[str], stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`take_probs` for requests `req_ids` that each store `stored` entries, as one batch, request-major:
+        probabilities `(requests * layers, q_heads, 1, stored)` and queries `(requests * layers, q_heads, 1,
+        head_dim)` (views when they are this step's rows in order, else copies)."""
+        rows = [self.prob_index.pop(req_id)[0] for req_id in req_ids]
+        self.probs_taken += len(rows)
+        probs, queries = self.probs, self.prob_queries
+        if rows != list(range(probs.shape[0])):
             index = torch.tensor(rows)
-            logits, queries = logits.index_select(0, index), queries.index_select(0, index)
-        return logits[..., :stored].flatten(0, 1).unsqueeze(2), queries.flatten(0, 1).unsqueeze(2)
+            probs, queries = probs.index_select(0, index), queries.index_select(0, index)
+        return probs[..., :stored].flatten(0, 1).unsqueeze(2), queries.flatten(0, 1).unsqueeze(2)
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
@@ -212,15 +217,15 @@ class QueryTap:
 
 class TrimCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention impl; before its forward, the rows the layer's `QueryTap` lists are copied; after it,
-    the logits of the step's planned decode steps are computed (`QueryTap.step_logits`)."""
+    the probabilities of the step's planned decode steps are computed (`QueryTap.step_probs`)."""
 
     def forward(self, layer, query, key, value, kv_cache, *args, **kwargs):
         tap = getattr(layer, TAP_ATTR, None)
         if tap is not None and tap.active:
             tap.capture(layer.layer_name, query)
         out = super().forward(layer, query, key, value, kv_cache, *args, **kwargs)
-        if tap is not None and tap.logit_batch is not None:  # while the layer's keys are fresh in the CPU's caches
-            tap.step_logits(layer.layer_name, query, kv_cache)
+        if tap is not None and tap.prob_batch is not None:  # while the layer's keys are fresh in the CPU's caches
+            tap.step_probs(layer.layer_name, query, kv_cache, self.scale)
         return out
 
 

@@ -33,7 +33,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
             entries: RequestEntries, steps: list[Step], end: int, prompt_tokens: int,
             queries: list[torch.Tensor] | None = None, scales: list[float] | None = None,
             last: list[torch.Tensor] | None = None, sums: list[torch.Tensor] | None = None,
-            layout: BlockLayout = cpu_vec, step_logits: torch.Tensor | None = None) -> int:
+            layout: BlockLayout = cpu_vec, step_probs: torch.Tensor | None = None) -> int:
     """Run a due forward's `steps` (bringing the request's tokens up to `end`; its prompt has `prompt_tokens`)
     through `method` on the keys and values stored in every layer's cache `(num_blocks, kv_heads, block_size,
     2 * head_dim)`, move the kept entries into the first slots (only those past them move, into the slots
@@ -59,8 +59,8 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     place, TOVA and H2O, in the blocks' slot order; `LiveDecode` for LazyEviction; its positions and the method's
     state live across steps; it is resumed from the positions only after any other compaction; a request whose steps
     the worker decided in a batch with others takes its rows back first, `BatchRows.detach`), with keys alone read, or
-    none: `step_logits` `(layers, q_heads, 1, stored)`, slot order, when kvtrim's attention backend computed the
-    step's logits already (`QueryTap.step_logits`; `last` is then its queries `(layers, q_heads, 1, head_dim)`). H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
+    none: `step_probs` `(layers, q_heads, 1, stored)`, slot order, when kvtrim's attention backend computed the
+    step's probabilities already (`QueryTap.step_probs`; `last` is then its queries `(layers, q_heads, 1, head_dim)`). H2O gets, with the forward that ends the prompt, `sums` per layer `(kv_heads, prompt)` instead
     of queries: its prompt's attention column sums, which the worker adds up chunk by chunk.
 
     `layout`: how the caches store their blocks (`kvtrim.vllm.block_layout`; default vLLM's CPU kernel "vec")."""
@@ -98,9 +98,9 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
                                               prompt_tokens)
         if live_kind is LiveInPlace:  # in the blocks' slot order: the evicted entry's slot takes the step's token
             n_keep, live, positions, state = in_place_decode_step(kv_caches, block_ids, previous_live, last, scales[0],
-                                                                   layout, step_logits)
+                                                                   layout, step_probs)
         else:
-            n_keep, live = live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_logits)
+            n_keep, live = live_decode_step(kv_caches, block_ids, previous_live, last, scales[0], layout, step_probs)
             positions, state = live.slot_positions, live.layer.state
         new_positions, new_states, kept_counts = list(positions.unbind(0)), [state] * n_layers, {n_keep}
     elif method.layers_alike() and _groups_share_states(states, size := _layer_group(method, n_layers)) and (

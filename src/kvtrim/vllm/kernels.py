@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from kvtrim.attention import softmax_probabilities
 from kvtrim.methods.base import one_line
 from kvtrim.vllm import layout as cpu_vec
 from kvtrim.vllm import layout_amx
@@ -33,7 +34,9 @@ from kvtrim.vllm import layout_amx
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -137,6 +140,134 @@ static void run(const T* cache, int64_t block_stride, int64_t head_stride, int64
   });
 }
 
+#if defined(__AVX512F__)
+// exp of 16 floats: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative
+// error under 1e-8, below float's half ulp: within an ulp of torch's exp)
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));  // (softmax's x - max <= 0; below this exp is 0 in float)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: r exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+static inline uint32_t float_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+// x rounded to T and back, as float: bfloat16's round to nearest even (x finite: no NaN case), in integer ops a loop
+// vectorises
+template <typename T>
+static inline float rounded(float x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint32_t bits = float_bits(x);
+    return bits_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+  } else {
+    return x;
+  }
+}
+
+// row[0..n) <- exp(row - max) / sum, in place (float)
+static inline void softmax_row(float* row, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
+  m = _mm512_reduce_max_ps(top);
+#endif
+  for (; t < n; ++t) m = std::max(m, row[t]);
+  t = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
+    _mm512_storeu_ps(row + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (t < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), mv)));
+    _mm512_mask_storeu_ps(row + t, k, e);
+    acc = _mm512_add_ps(acc, e);
+    t = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) sum += (row[t] = std::exp(row[t] - m));
+  const float inv = 1.0f / sum;
+  for (int64_t u = 0; u < n; ++u) row[u] *= inv;
+}
+
+// probs[r, i, :lengths[r]] = softmax(T(T(logits) * scale)) in float, rounded to T (kvtrim.attention.
+// softmax_probabilities' steps); 0 past lengths[r]. One task per request and KV head: its query heads' whole rows.
+template <typename T>
+static void run_probs(const T* cache, int64_t block_stride, int64_t head_stride, int64_t h, int64_t bs, int64_t d,
+                      const int64_t* table, const int64_t* lengths, int64_t r_count, int64_t u_count, const T* query,
+                      int64_t q_heads, float scale, bool amx, T* out) {
+  const int64_t group = q_heads / h, width = u_count * bs;
+  at::parallel_for(0, r_count * h, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(d), row(width);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv_head = item % h, r = item / h, n = lengths[r], used = (n + bs - 1) / bs;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = kv_head * group + g;
+        const T* qrow = query + (r * q_heads + i) * d;
+        for (int64_t c = 0; c < d; ++c) q[c] = as_float(qrow[c]);
+        for (int64_t u = 0; u < used; ++u) {
+          const T* keys = cache + table[r * u_count + u] * block_stride + kv_head * head_stride;
+          block_logits(keys, q.data(), qrow, bs, d, amx, row.data() + u * bs);
+        }
+        float* __restrict__ x = row.data();
+        for (int64_t t = 0; t < n; ++t) x[t] = rounded<T>(rounded<T>(x[t]) * scale);
+        softmax_row(x, n);
+        T* o = out + (r * q_heads + i) * width;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          uint16_t* __restrict__ o16 = reinterpret_cast<uint16_t*>(o);
+          for (int64_t t = 0; t < n; ++t) o16[t] = static_cast<uint16_t>(float_bits(rounded<T>(x[t])) >> 16);
+        } else {
+          std::memcpy(o, x, n * sizeof(float));
+        }
+        std::fill(o + n, o + width, static_cast<T>(0.0f));
+      }
+    }
+  });
+}
+
+torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query,
+                              torch::Tensor lengths, double scale, bool amx) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3)
+              && kv_cache.stride(1) == kv_cache.size(2) * kv_cache.size(3), "kv_cache: (blocks, h, bs, 2d), slabs contiguous");
+  TORCH_CHECK(query.is_contiguous() && query.scalar_type() == kv_cache.scalar_type(), "query: contiguous, the cache's dtype");
+  TORCH_CHECK(!amx || kv_cache.scalar_type() == at::kBFloat16, "the amx packing holds bfloat16 only");
+  auto table = block_table.contiguous();
+  auto lens = lengths.to(at::kLong).contiguous();
+  const int64_t h = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
+  const int64_t r_count = table.size(0), u_count = table.size(1), q_heads = query.size(1);
+  TORCH_CHECK(lens.numel() == r_count, "lengths: one per row of the block table");
+  for (int64_t r = 0; r < r_count; ++r)
+    TORCH_CHECK(lens.data_ptr<int64_t>()[r] >= 1 && lens.data_ptr<int64_t>()[r] <= u_count * bs, "a length past its blocks");
+  auto out = torch::empty({r_count, q_heads, u_count * bs}, kv_cache.options());
+  const float s = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    run_probs(kv_cache.data_ptr<c10::BFloat16>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d,
+              table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), r_count, u_count,
+              query.data_ptr<c10::BFloat16>(), q_heads, s, amx, out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "kv_cache: float32 or bfloat16");
+    run_probs(kv_cache.data_ptr<float>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d, table.data_ptr<int64_t>(),
+              lens.data_ptr<int64_t>(), r_count, u_count, query.data_ptr<float>(), q_heads, s, amx,
+              out.data_ptr<float>());
+  }
+  return out;
+}
+
 torch::Tensor table_key_logits(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query, bool amx) {
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3)
               && kv_cache.stride(1) == kv_cache.size(2) * kv_cache.size(3), "kv_cache: (blocks, h, bs, 2d), slabs contiguous");
@@ -187,7 +318,7 @@ def kernel_name() -> str:
     return f"kvtrim_step_logits_{hashlib.sha1(_SOURCE.encode()).hexdigest()[:8]}_{machine}"
 
 
-def build(name: str, source: str = _SOURCE, functions: tuple[str, ...] = ("table_key_logits",)) -> tuple[ModuleType, bool]:
+def build(name: str, source: str = _SOURCE, functions: tuple[str, ...] = ("table_key_logits", "table_key_probs")) -> tuple[ModuleType, bool]:
     """Build (or load, when built) `source` as extension `name` in its own folder under PyTorch's extension root,
     one process at a time, and whether a lock left by a build killed half-way was removed first.
 
@@ -255,3 +386,35 @@ def table_key_logits(layout: ModuleType) -> tuple[Callable, str]:
         return module.table_key_logits(kv_cache, block_table, query.contiguous(), amx)
 
     return kernel_logits, how
+
+
+def table_key_probs(layout: ModuleType) -> tuple[Callable, str]:
+    """The function computing a layer's decode-step probabilities on `layout`'s blocks, `fn(kv_cache, block_table
+    (R, U), query (R, q_heads, head_dim), lengths (R,), scale)` -> `(R, q_heads, U * block_size)` in the cache's dtype,
+    slot order: row `r`'s first `lengths[r]` entries get `softmax_probabilities`' probabilities of the query over
+    them (the logits rounded to the cache's dtype, scaled, softmax in float32, rounded back), the rest 0. The kernel's
+    (its exp and sums in another order: within an ulp of torch's) for the CPU layouts it reads, else
+    `torch_key_probs`; and one line naming it (for the worker's log)."""
+    if layout not in KERNEL_LAYOUTS:
+        return torch_key_probs(layout), "torch ops (the kernel reads vLLM's CPU layouts only)"
+    module, how = load()
+    if module is None:
+        return torch_key_probs(layout), f"torch ops: {how}"
+    amx = KERNEL_LAYOUTS[layout]
+
+    def kernel_probs(kv_cache, block_table, query, lengths, scale):
+        return module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx)
+
+    return kernel_probs, how
+
+
+def torch_key_probs(layout: ModuleType) -> Callable:
+    """`table_key_probs`' function in torch: `softmax_probabilities` on the layout's logits, past each length masked."""
+
+    def torch_probs(kv_cache, block_table, query, lengths, scale):
+        logits = layout.table_key_logits(kv_cache, block_table, query)
+        inside = torch.arange(logits.shape[-1]) < lengths[:, None]
+        probs = softmax_probabilities(logits[:, :, None], inside[:, None, None], scale)[:, :, 0]
+        return probs.masked_fill_(~inside[:, None], 0)
+
+    return torch_probs

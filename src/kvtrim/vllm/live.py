@@ -3,8 +3,8 @@
 step (`kvtrim.vllm.compact` hands each such step to it):
 
 * `LiveInPlace` (methods that evict in place, `in_place_decode`: TOVA, H2O): the layer holds the request's entries
-  in the blocks' own slot order, as transformers' in-place decoding does; the step's logits (slot order, from
-  kvtrim's attention backend) are its probabilities as they come; the entry the method evicts leaves its slot,
+  in the blocks' own slot order, as transformers' in-place decoding does; the step's probabilities (slot order, from
+  kvtrim's attention backend) go to the method as they come; the entry the method evicts leaves its slot,
   which the step's token (in the last slot) then fills, in the blocks and in the layer alike (`move_slots`,
   `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted. The worker decides
   the steps of several such requests of one method as one batch (`kvtrim.vllm.live_batch`).
@@ -64,26 +64,33 @@ class LiveDecode:
         return cls(cache, slot_positions, by_position)
 
 
+def step_probabilities(kv_caches, block_ids, stored: int, query: torch.Tensor, scale: float, layout: BlockLayout,
+                       probs: torch.Tensor | None) -> torch.Tensor:
+    """A decode step's probabilities `(layers, q_heads, 1, stored)` in slot order: `probs` when kvtrim's attention
+    backend computed them already (`QueryTap.step_probs`), else `softmax_probabilities` of the logits of the query
+    `(layers, q_heads, 1, head_dim)` over the request's keys (`request_key_logits`, only keys read)."""
+    if probs is None:
+        probs = softmax_probabilities(layout.request_key_logits(kv_caches, block_ids, stored, query), None, scale)
+    check(probs.shape[-1] == stored, f"the step's probabilities cover {probs.shape[-1]} entries, the request stores {stored}")
+    return probs
+
+
 def live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
-                      layout: BlockLayout = cpu_vec, logits: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
-    """One decode step of a request on its `live` layer, every layer as one batch: only the keys are read
-    (`request_key_logits`, slot order) for the probabilities of each layer's query `last` `(q_heads, 1,
-    head_dim)` (`softmax_probabilities`, as kvtrim's attention computes them), which the method gets in position
-    order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`). `logits`: the step's
-    `(layers, q_heads, 1, stored)` in slot order when kvtrim's attention backend computed them already (then no
-    key is read here). Returns the kept count and the live layer after the step."""
+                      layout: BlockLayout = cpu_vec, probs: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
+    """One decode step of a request on its `live` layer, every layer as one batch: the probabilities of each
+    layer's query `last` `(q_heads, 1, head_dim)` (`step_probabilities`: only keys read, or none), which the method
+    gets in position order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`).
+    Returns the kept count and the live layer after the step."""
     n_layers, h, old = live.slot_positions.shape
     told = live.layer.seen
     slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
     by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
     query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
-    if logits is None:
-        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
-    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
+    probs = step_probabilities(kv_caches, block_ids, old + 1, query, scale, layout, probs)
     # each query head reads its KV head's entries: in position order, that head's own order
     group = query.shape[1] // h
-    in_order = logits[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
-    probs = softmax_probabilities(in_order.view(n_layers, h * group, 1, old + 1), None, scale)
+    in_order = probs[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
+    probs = in_order.view(n_layers, h * group, 1, old + 1)
     stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
     with live.cache.phase(Phase.DECODE):
         full = live.cache.update(stand_in, stand_in, 0)
@@ -158,9 +165,9 @@ class LiveInPlace:
 
 
 def in_place_decode_step(kv_caches, block_ids, live: LiveInPlace, last, scale: float, layout: BlockLayout = cpu_vec,
-                          logits: torch.Tensor | None = None) -> tuple[int, LiveInPlace | None, torch.Tensor, Any]:
+                          probs: torch.Tensor | None = None) -> tuple[int, LiveInPlace | None, torch.Tensor, Any]:
     """One decode step of a request on its in-place `live` layer, every layer as one batch (`live_decode_step`'s
-    arguments): the probabilities of the step's logits, in slot order as they come, go to the method
+    arguments): the step's probabilities, in slot order as they come, go to the method
     (`hand_over`); an entry evicted from each layer and KV head leaves its slot to the step's token, moved there
     in the pool and in the layer. Returns the kept count, the live layer after the step (None when the method
     evicted otherwise: then decided as `LiveDecode` does), the slot positions `(layers, h, kept)` and the state
@@ -168,10 +175,7 @@ def in_place_decode_step(kv_caches, block_ids, live: LiveInPlace, last, scale: f
     layer = live.layer
     n_layers, h, old = live.slot_positions.shape
     query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)
-    if logits is None:
-        logits = layout.request_key_logits(kv_caches, block_ids, old + 1, query)
-    check(logits.shape[-1] == old + 1, f"the step's logits cover {logits.shape[-1]} entries, the request stores {old + 1}")
-    probs = softmax_probabilities(logits, None, scale)
+    probs = step_probabilities(kv_caches, block_ids, old + 1, query, scale, layout, probs)
     stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
     with live.cache.phase(Phase.DECODE):
         full = live.cache.update(stand_in, stand_in, 0)

@@ -2,12 +2,13 @@
 evict in place and read only their probabilities there (`in_place_decode` and `attention_only_decode`: TOVA, H2O).
 
 One request's in-place decode step (`kvtrim.vllm.live.in_place_decode_step`) costs about 0.7 ms of operations whose
-cost does not grow with its entries (a softmax, the method's rule, the move, the layer's bookkeeping: ~40 small
+cost does not grow with its entries (the method's rule, the move, the layer's bookkeeping: ~40 small
 operations); with 11 requests that is most of a step's eviction time. Here the requests of one group (the same
 method and parameters, the same stored count, and the same prompt length where the budget follows from it) are rows
 of one decision layer, request-major (request `r`'s layer `l` is row `r * layers + l`), in the blocks' slot order as
-`LiveInPlace` keeps them: the step's logits of every member go through one softmax, one run of the method's rule,
-one set of moves (`move_table_slots`, each request in its own blocks) and one refill of the freed slots.
+`LiveInPlace` keeps them: the step's probabilities of every member (kvtrim's attention backend computed them) go
+through one run of the method's rule, one set of moves (`move_table_slots`, each request in its own blocks) and one
+refill of the freed slots.
 
 Rows of different requests share the layer's count of tokens seen, so each request's positions are rebased by a
 shift (`shifts`: its newest token is at the layer's `seen - 1`): rules relative to `seen` (H2O's recent window)
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-from kvtrim.attention import softmax_probabilities
 from kvtrim.cache import TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm.block_io import move_table_slots
@@ -107,17 +107,16 @@ def batch_key(method: EvictionMethod, stored: int, prompt_tokens: int) -> tuple:
     return type(method), method.describe(), stored, None if fixed is not None else prompt_tokens
 
 
-def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch: LiveBatch, logits: torch.Tensor,
+def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch: LiveBatch, probs: torch.Tensor,
                       queries: torch.Tensor, scale: float, layout: BlockLayout) -> None:
-    """One decode step of every member of `batch` (`in_place_decode_step` for all of them at once): `logits`
-    `(members * layers, q_heads, 1, stored + 1)` of the step (slot order, from kvtrim's attention backend) and its
+    """One decode step of every member of `batch` (`in_place_decode_step` for all of them at once): the step's
+    probabilities `probs` `(members * layers, q_heads, 1, stored + 1)` (slot order, from kvtrim's attention backend) and its
     `queries` `(members * layers, q_heads, 1, head_dim)`; `tables` `(members, U)` their blocks. The one entry the
     method evicts per row leaves its slot to the step's token, in the blocks and in the layer alike."""
     layer = batch.layer
     rows, h, slots = layer.kv.positions.shape
-    check(logits.shape[0] == rows and logits.shape[-1] == slots,
-          f"the step's logits {tuple(logits.shape)} do not cover the batch's {rows} rows of {slots} entries")
-    probs = softmax_probabilities(logits, None, scale)
+    check(probs.shape[0] == rows and probs.shape[-1] == slots,
+          f"the step's probabilities {tuple(probs.shape)} do not cover the batch's {rows} rows of {slots} entries")
     stand_in = torch.zeros(1, 1, 1, 1).expand(rows, h, 1, 1)
     with batch.live.cache.phase(Phase.DECODE):
         full = batch.live.cache.update(stand_in, stand_in, 0)
@@ -134,13 +133,13 @@ def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch
     layer.fill_free_slots_from_last()
 
 
-def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_logits: bool) -> int | None:
+def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_probs: bool) -> int | None:
     """The entries a request stores before its step's token when its compaction `due` can be decided in a batch, else
     None: an in-place method fed only its probabilities (`in_place_decode`, `attention_only_decode`), one decode
-    step whose logits kvtrim's attention backend computed (`has_logits`), nothing to copy or register, and a
+    step whose probabilities kvtrim's attention backend computed (`has_probs`), nothing to copy or register, and a
     decision layer where the request is (its own `LiveInPlace` with its last slot free, or its batch's rows) that
     keeps the count the scheduler planned (one entry out per layer and KV head)."""
-    if not (method.in_place_decode and method.attention_only_decode and has_logits and not due.copies
+    if not (method.in_place_decode and method.attention_only_decode and has_probs and not due.copies
             and due.registers is None and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE
             and entries.hole is None):
         return None
@@ -158,14 +157,14 @@ def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_
     return stored if follows and due.end - due.discarded == stored else None
 
 
-def batch_groups(due: list, request, logit_index: dict, one_scale: bool) -> tuple[list[list], list]:
+def batch_groups(due: list, request, prob_index: dict, one_scale: bool) -> tuple[list[list], list]:
     """This step's compactions `due` `(req_id, Due, end)` split into the groups of two or more that are decided as
-    one batch each (`batch_key`) and the rest; `request(req_id)`: its `WorkerRequest`; `logit_index`: the requests
-    whose step's logits kvtrim's attention backend computed; `one_scale`: every layer has the same softmax scale."""
+    one batch each (`batch_key`) and the rest; `request(req_id)`: its `WorkerRequest`; `prob_index`: the requests
+    whose step's probabilities kvtrim's attention backend computed; `one_scale`: every layer has the same softmax scale."""
     groups: dict[tuple | None, list] = {}
     for item in due:
         req = request(item[0])
-        stored = (batch_stored(req.entries, req.method, item[1], item[0] in logit_index)
+        stored = (batch_stored(req.entries, req.method, item[1], item[0] in prob_index)
                   if one_scale and item[1].end == item[2] else None)  # (else `compact` says the plan is off)
         groups.setdefault(None if stored is None else batch_key(req.method, stored, req.prompt_tokens), []).append(item)
     rest = groups.pop(None, [])
@@ -178,16 +177,16 @@ def decide_group(kv_caches: list[torch.Tensor], reqs: list, ids: list[str], bloc
                  ends: list[int], tap, scale: float, layout: BlockLayout) -> int:
     """The decode steps of a group of requests `ids` (their `WorkerRequest`s `reqs`, blocks `block_ids`, tokens `ends`
     after the step) on their batch: the one their rows are in when it holds exactly them in this order, else one
-    formed from their decision layers; their logits and queries taken from the attention backend's `tap`
-    (`QueryTap.take_logit_rows`). Returns the entries each stores afterwards."""
+    formed from their decision layers; their probabilities and queries taken from the attention backend's `tap`
+    (`QueryTap.take_prob_rows`). Returns the entries each stores afterwards."""
     lives = [req.entries.live for req in reqs]
     batch = getattr(lives[0], "batch", None)
     if batch is None or batch.members != ids or any(getattr(live, "batch", None) is not batch for live in lives):
         batch = LiveBatch.formed(reqs[0].method, ids, lives, reqs[0].prompt_tokens, len(kv_caches))
-    logits, queries = tap.take_logit_rows(ids, batch.stored + 1)
+    probs, queries = tap.take_prob_rows(ids, batch.stored + 1)
     width = max(len(b) for b in block_ids)
     tables = torch.tensor([b + b[:1] * (width - len(b)) for b in block_ids])  # padded with a block of its own
-    batch_decode_step(kv_caches, tables, batch, logits, queries, scale, layout)
+    batch_decode_step(kv_caches, tables, batch, probs, queries, scale, layout)
     for index, (req, end) in enumerate(zip(reqs, ends)):
         req.entries.live, req.entries.seen = BatchRows(batch, index), end
     return batch.stored

@@ -16,8 +16,8 @@ class WorkerStats:
     #: compactions done and entries discarded by them
     compactions: int = 0
     evicted: int = 0
-    #: of `compaction_s`, the attention backend's logits of decode steps (`QueryTap.step_logits`)
-    logits_s: float = 0.0
+    #: of `compaction_s`, the attention backend's probabilities of decode steps (`QueryTap.step_probs`)
+    probs_s: float = 0.0
     #: of the compactions, those decided in a batch with other requests' (`kvtrim.vllm.live_batch`)
     batched: int = 0
 

@@ -22,7 +22,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`_prepare_inputs`) plans which query rows to copy (the last `kvtrim_query_window(req_id)` positions of a prompt or
   prompt block, across prefill chunks: SnapKV, TOVA; every prefill row for H2O, whose prompt attention is summed
   chunk by chunk, `WorkerRequest.prompt_sums`; a due forward's rows after the prompt: TOVA, H2O) and, for a due
-  decode step of a method fed only its probabilities, has the backend compute the step's logits for all such requests
+  decode step of a method fed only its probabilities, has the backend compute the step's probabilities for all such requests
   at once; those of one method that evicts in place are then decided as one batch per group (`_kvtrim_batches`,
   `kvtrim.vllm.live_batch`). Without the hand-off such a request fails alone at its prompt's end (one line);
   requests that ask for nothing leave the tap idle (vLLM's path exactly);
@@ -159,8 +159,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_layout = block_layout(CPU_BACKEND, isa=_get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                                                                           self.cache_config.cache_dtype))
         self.kvtrim_tap.layout = self._kvtrim_layout
-        self.kvtrim_tap.logits_fn, how = kernels.table_key_logits(self._kvtrim_layout)
-        logger.info("kvtrim: decode-step logits of the methods fed attention by %s", how)
+        self.kvtrim_tap.probs_fn, how = kernels.table_key_probs(self._kvtrim_layout)
+        logger.info("kvtrim: decode-step probabilities of the methods fed attention by %s", how)
         if self.kv_caches:
             logger.info("kvtrim: the KV caches of the %d layers %s", len(self.kv_caches),
                         "lie back to back: one copy moves entries in all" if layers_as_blocks(self.kv_caches) is not None
@@ -198,8 +198,8 @@ class TrimModelRunner(CPUModelRunner):
                     # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
                     row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
                     if req.method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
-                        # its step's logits (and query), computed by the attention backend for all such requests at once
-                        self.kvtrim_tap.plan_logits(req_id, row_end - 1, self.requests[req_id].block_ids[0],
+                        # its step's probabilities (and query), computed by the attention backend for all such requests at once
+                        self.kvtrim_tap.plan_probs(req_id, row_end - 1, self.requests[req_id].block_ids[0],
                                                     int(computed[i] + num_scheduled_tokens[i]) - req.discarded)
                     else:
                         self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
@@ -208,7 +208,7 @@ class TrimModelRunner(CPUModelRunner):
                 row_start = int(self.query_start_loc.np[i])
                 self.kvtrim_tap.plan_last(req_id, row_start, row_start + int(num_scheduled_tokens[i]))
                 self._kvtrim_sum_rows[req_id] = (int(computed[i]), min(int(num_scheduled_tokens[i]), prompt - int(computed[i])))
-        self.kvtrim_tap.seal_logits(self.kv_caches[0].shape[2] if self.kv_caches else 1)
+        self.kvtrim_tap.seal_probs(self.kv_caches[0].shape[2] if self.kv_caches else 1)
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
             shift = torch.from_numpy(discarded[self.req_indices.np[:total]])
@@ -264,9 +264,9 @@ class TrimModelRunner(CPUModelRunner):
         finally:
             self.kvtrim_tap.clear_plan()  # no other forward (a dummy run) copies this step's rows
         due, self._kvtrim_due = self._kvtrim_due, []
-        logits_s = self.kvtrim_tap.take_seconds()  # the decode steps' logits: eviction time
-        self.kvtrim_stats.compaction_s += logits_s
-        self.kvtrim_stats.logits_s += logits_s
+        probs_s = self.kvtrim_tap.take_seconds()  # the decode steps' probabilities: eviction time
+        self.kvtrim_stats.compaction_s += probs_s
+        self.kvtrim_stats.probs_s += probs_s
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in self._kvtrim_batches(due):
@@ -358,15 +358,15 @@ class TrimModelRunner(CPUModelRunner):
                 if queries is None:
                     raise KvtrimError(f"{type(method).__name__} needs the prompt's queries, which this engine's "
                                       "attention does not hand over (kvtrim's attention backend is not in every layer)")
-            last = step_logits = None
+            last = step_probs = None
             if method.needs_attention and steps[-1].phase is not Phase.PREFILL:  # TOVA, H2O: the step's queries
-                stepped = self.kvtrim_tap.take_logits(req_id)  # (a decode step's: with its logits)
-                step_logits, last = stepped if stepped is not None else (None, self.kvtrim_tap.take_last(req_id))
+                stepped = self.kvtrim_tap.take_probs(req_id)  # (a decode step's: with its probabilities)
+                step_probs, last = stepped if stepped is not None else (None, self.kvtrim_tap.take_last(req_id))
                 if last is None:
                     raise KvtrimError(f"{type(method).__name__} needs the attention of its decode steps, which this "
                                       "engine's attention does not hand over (kvtrim's attention backend is not in every layer)")
             gone = compact(self.kv_caches, block_ids, method, entries, steps, end, req.prompt_tokens,
-                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout, step_logits)
+                           queries, self.kvtrim_scales, last, sums, self._kvtrim_layout, step_probs)
             if gone != expected:  # the scheduler freed blocks by `expected`: the two must agree
                 raise KvtrimError(f"{type(method).__name__} discarded {gone} of {end} entries, the scheduler "
                                   f"expected {expected}: its kept count depends on more than the token counts")
@@ -384,7 +384,7 @@ class TrimModelRunner(CPUModelRunner):
     def _kvtrim_batches(self, due: list) -> list:
         """This step's in-place decode steps, one batch per group (`kvtrim.vllm.live_batch`); returns the others."""
         tap = self.kvtrim_tap
-        groups, rest = batch_groups(due, self.kvtrim_request, tap.logit_index, len(set(self.kvtrim_scales)) == 1)
+        groups, rest = batch_groups(due, self.kvtrim_request, tap.prob_index, len(set(self.kvtrim_scales)) == 1)
         for items in groups:
             start, ids = time.perf_counter(), [req_id for req_id, _, _ in items]
             try:
