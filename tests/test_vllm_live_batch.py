@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("vllm._custom_ops", reason="needs vLLM's CPU build (.venv-serve: make serve-env)")
 
+from kvtrim.methods.lazy_eviction import _LazyState  # noqa: E402
 from kvtrim.vllm import layout as cpu_vec  # noqa: E402
 from kvtrim.vllm.attention import QueryTap  # noqa: E402
 from kvtrim.vllm.block_io import add_prompt_sums  # noqa: E402
@@ -79,24 +80,31 @@ def compact_alone(caches, req, due, probs=None, queries=None):
 def kept_positions(entries):
     """`(layers, h, stored)` positions of a request's stored entries, sorted (its batch's rows when it has one)."""
     if isinstance(entries.live, BatchRows):
-        positions = entries.live.own_rows()[0][..., :-1]
+        positions = entries.live.own_rows()[0][..., :entries.live.batch.stored]  # (without a free last slot)
     else:
         positions = torch.stack(entries.positions)
     return positions.sort(dim=-1).values
 
 
-@pytest.mark.parametrize("spec", ["tova:budget=40", "h2o:budget=40", "h2o:heavy_budget=10:recent_budget=20"])
-def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec):
+@pytest.mark.parametrize("spec,prompts", [("tova:budget=40", PROMPTS), ("h2o:budget=40", PROMPTS),
+                                          ("h2o:heavy_budget=10:recent_budget=20", PROMPTS),
+                                          # its count grows between evictions: one prompt length for all
+                                          ("lazyeviction:budget=40:window=8:alpha=0.02", (50, 50, 50))])
+def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec, prompts):
+    """TOVA, H2O (in place, one entry out per step) and LazyEviction (every `window` steps, back to its budget: at
+    steps 8, 16, 24, the first while request 1 steps alone)."""
     steps, alone_at = 30, {8: 1, 9: 1, 20: 0}  # step -> the request whose step is decided alone (it leaves the batch)
-    total = max(PROMPTS) + steps + 1
-    batched = [Request(spec, p, b, total, seed=i) for i, (p, b) in enumerate(zip(PROMPTS, BLOCKS))]
-    alone = [Request(spec, p, b, total, seed=i) for i, (p, b) in enumerate(zip(PROMPTS, BLOCKS))]
+    total = max(prompts) + steps + 1
+    batched = [Request(spec, p, b, total, seed=i) for i, (p, b) in enumerate(zip(prompts, BLOCKS))]
+    alone = [Request(spec, p, b, total, seed=i) for i, (p, b) in enumerate(zip(prompts, BLOCKS))]
     caches = list(torch.zeros(LAYERS, POOL, H, BS, 2 * D).unbind(0))  # one allocation, as vLLM's
     reference = list(torch.zeros(LAYERS, POOL, H, BS, 2 * D).unbind(0))
     for reqs, kv in ((batched, caches), (alone, reference)):
         for req in reqs:  # the prompt, then one decode step alone: each request gets its own live layer
             for end in (req.prompt, req.prompt + 1):
-                compact_alone(kv, req, req.write(kv, end), *(req.step_probs(kv) if end > req.prompt else ()))
+                due = req.write(kv, end)  # (LazyEviction keeps its prompt whole: nothing due at its end)
+                if due is not None:
+                    compact_alone(kv, req, due, *(req.step_probs(kv) if end > req.prompt else ()))
     formed = set()
     for step in range(steps):
         tap, due = QueryTap(), []
@@ -120,7 +128,8 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec):
         ids = [req_id for req_id, _, _ in groups[0]]
         members = [batched[int(i)] for i in ids]
         stored = decide_group(caches, [m.worker for m in members], ids, [m.blocks.tolist() for m in members],
-                              [m.end for m in members], tap, SCALE, cpu_vec)
+                              [m.end for m in members], [m.end - m.counts.discarded for m in members], tap, SCALE,
+                              cpu_vec)
         for m in members:
             m.gone = m.end - stored
             assert m.gone == m.counts.discarded
@@ -138,11 +147,16 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec):
 
 
 def test_requests_that_differ_are_not_batched_together():
-    """A group shares its method and parameters, its stored count, and its prompt's length where the budget follows
-    from it."""
+    """A group shares its method and parameters, its stored count, its prompt's length where the budget follows
+    from it, and what of the method's state is not per row (LazyEviction's count of decode steps)."""
     tova, h2o = method_for_vllm("tova:budget=40"), method_for_vllm("h2o:budget=40")
     ratio = method_for_vllm("tova:compression_ratio=0.5")
-    assert batch_key(tova, 40, 50) == batch_key(method_for_vllm("tova:budget=40"), 40, 61)
-    assert batch_key(tova, 40, 50) != batch_key(h2o, 40, 50) != batch_key(tova, 41, 50)
-    assert batch_key(ratio, 40, 50) != batch_key(ratio, 40, 61)
-    assert batch_key(tova, 40, 50) != batch_key(method_for_vllm("tova:budget=41"), 40, 50)
+    assert batch_key(tova, 40, 50, None) == batch_key(method_for_vllm("tova:budget=40"), 40, 61, None)
+    assert batch_key(tova, 40, 50, None) != batch_key(h2o, 40, 50, None) != batch_key(tova, 41, 50, None)
+    assert batch_key(ratio, 40, 50, None) != batch_key(ratio, 40, 61, None)
+    assert batch_key(tova, 40, 50, None) != batch_key(method_for_vllm("tova:budget=41"), 40, 50, None)
+    lazy = method_for_vllm("lazyeviction:budget=40:window=8")
+    ts = torch.zeros(3, 3, 40, dtype=torch.int32)
+    assert batch_key(lazy, 40, 50, _LazyState(3, ts, ts)) == batch_key(lazy, 40, 50, _LazyState(3, ts + 1, ts))
+    assert batch_key(lazy, 40, 50, _LazyState(3, ts, ts)) != batch_key(lazy, 40, 50, _LazyState(4, ts, ts))
+    assert batch_key(lazy, 40, 50, _LazyState(3, ts, ts)) != batch_key(lazy, 40, 50, _LazyState(3))

@@ -6,6 +6,7 @@ then `--steps` decode steps that each evict one entry per layer and KV head.
 
     .venv-serve/bin/python benchmarks/serving/batch_cost.py [--threads N] [--steps N] [SPEC ...]
     # default: 1 thread (the operations are small), 60 steps, tova:budget=512 h2o:budget=512
+    # (lazyeviction:budget=512 evicts every 128 steps: --steps 130 includes one eviction)
 
 Prints per method the median ms of a step's decisions for all requests, alone and batched, and whether both kept
 the same entries. The step's probabilities (kvtrim's attention backend computes them for all requests at once in
@@ -42,12 +43,17 @@ def setup(spec: str, probs_fn):
     requests = []
     for r in range(REQUESTS):
         method = parse_method_spec(spec).build()
-        req = WorkerRequest(method, prompt_tokens=PROMPT + r)
+        # prompts of different lengths (a batch rebases positions); one length where the count grows between
+        # evictions (LazyEviction: requests of one batch store the same count; 500 tokens, so that its peak at its
+        # first eviction, 628 entries, fits the request's 5 blocks)
+        req = WorkerRequest(method, prompt_tokens=PROMPT + r if method.in_place_decode else 500)
         blocks = torch.arange(5 * r, 5 * r + 5)
         counts, gone = StoredCounts(method), 0
-        for start, end in ((0, PROMPT + r), (PROMPT + r, PROMPT + r + 1)):
-            steps = forward_steps(start, end, req.prompt_tokens)
-            counts.advance(steps)
+        prompt = req.prompt_tokens
+        for start, end in ((0, prompt), (prompt, prompt + 1)):
+            steps = forward_steps(start, end, prompt)
+            if not counts.advance(steps):  # (LazyEviction keeps its prompt whole)
+                continue
             queries = sums = last = step_probs = None
             if start == 0:
                 queries = [torch.randn(Q_HEADS, prompt_queries(method), HEAD_DIM).bfloat16() for _ in range(LAYERS)]
@@ -107,11 +113,12 @@ def run(spec: str, steps: int, probs_fn) -> tuple[float, float, bool]:
         for items in groups:
             ids = [i for i, _, _ in items]
             decide_group(caches, [reqs[i] for i in ids], ids, [requests[int(i)][2].tolist() for i in ids],
-                         [end for *_, end in items], tap, SCALE, layout_amx)
+                         [end for *_, end in items], [plan.end - plan.discarded for _, plan, _ in items], tap, SCALE,
+                         layout_amx)
         batch_s.append(time.perf_counter() - start)
         if rest:  # (the first step: each request joins from its own layer; none is left alone after it)
             raise SystemExit(f"{len(rest)} requests were not batched")
-    same = all(torch.equal(a.entries.live.own_rows()[0][..., :-1].sort(-1).values,
+    same = all(torch.equal(a.entries.live.own_rows()[0][..., :a.entries.live.batch.stored].sort(-1).values,
                            torch.stack(b.entries.positions).sort(-1).values)
                for (_, a, _, _), (_, b, _, _) in zip(requests, twins) if isinstance(a.entries.live, BatchRows))
     same = same and all(torch.equal(a, b) for a, b in zip(caches, twin_caches))

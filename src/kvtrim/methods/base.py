@@ -390,6 +390,14 @@ class EvictionMethod:
         None or a count, must be the same in every state)."""
         return _rows_of_states(states, lambda tensors: torch.cat(tensors, dim=0))
 
+    def state_key(self, state: Any) -> tuple:
+        """What the states `stack_states` joins must share, hashable: a dataclass state's fields that are not tensors
+        (None, or a count such as LazyEviction's decode steps), and which fields are tensors; () when stateless."""
+        if not hasattr(state, "__dataclass_fields__"):
+            return ()
+        values = ((f.name, getattr(state, f.name)) for f in fields(state))
+        return tuple((name, "tensor" if isinstance(value, torch.Tensor) else value) for name, value in values)
+
     def state_rows(self, state: Any, rows: torch.Tensor) -> Any:
         """The state of batch rows `rows` `(r,)` int64 of `state` (a copy): what `stack_states` joined, taken
         apart again. Default: as `stack_states`, each tensor field's rows selected."""

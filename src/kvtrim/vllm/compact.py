@@ -24,7 +24,7 @@ from kvtrim.vllm.block_io import fill_holes, fill_layers_holes, move_layers_entr
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import decide
 from kvtrim.vllm.entries import RequestEntries, per_tensor
-from kvtrim.vllm.live import LiveDecode, LiveInPlace, in_place_decode_step, live_decode_step
+from kvtrim.vllm.live import LiveInPlace, in_place_decode_step, live_decode_step, live_layer_kind
 from kvtrim.vllm.live_batch import BatchRows
 from kvtrim.vllm.planning import Step, leaves_hole
 
@@ -77,7 +77,7 @@ def compact(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, method: Evic
     previous_live, entries.live = entries.live, None  # kept by a decode step that leaves a hole, or that reads attention
     decode_step = (method.attention_only_decode and last is not None and scales is not None and len(set(scales)) == 1
                    and len(steps) == 1 and steps[0].phase is Phase.DECODE and _groups_share_states(states, n_layers))
-    live_kind = LiveInPlace if method.in_place_decode else LiveDecode
+    live_kind = live_layer_kind(method)
     follows = decode_step and isinstance(previous_live, live_kind) and previous_live.follows(told, old, states[0])
     if isinstance(previous_live, LiveInPlace) and not follows:  # its state is in slot order: back to position order
         states = [previous_live.settled_state()] * n_layers

@@ -6,16 +6,18 @@ step (`kvtrim.vllm.compact` hands each such step to it):
   in the blocks' own slot order, as transformers' in-place decoding does; the step's probabilities (slot order, from
   kvtrim's attention backend) go to the method as they come; the entry the method evicts leaves its slot,
   which the step's token (in the last slot) then fills, in the blocks and in the layer alike (`move_slots`,
-  `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted. The worker decides
-  the steps of several such requests of one method as one batch (`kvtrim.vllm.live_batch`).
+  `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted.
 * `LiveDecode` (any other: LazyEviction, which evicts many entries every `window` steps): the layer in position
   order, its slots mapped to the blocks' (`slot_positions`, `by_position`).
+
+The worker decides the steps of several requests of one method as one batch of either kind
+(`kvtrim.vllm.live_batch`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,6 +65,19 @@ class LiveDecode:
                      prompt_tokens if told >= prompt_tokens else None, layer.state if state is None else state)
         return cls(cache, slot_positions, by_position)
 
+    #: the layer on rows of slot positions (`LiveInPlace.on_slots`; here without a free slot): as resumed
+    on_slots = resumed
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """`(rows, h, stored)`: the positions in the rows' slots (`LiveInPlace.slots`)."""
+        return self.slot_positions
+
+
+def live_layer_kind(method: EvictionMethod) -> type:
+    """The decision layer a method's decode steps run on: `LiveInPlace` when it evicts in place, else `LiveDecode`."""
+    return LiveInPlace if method.in_place_decode else LiveDecode
+
 
 def step_probabilities(kv_caches, block_ids, stored: int, query: torch.Tensor, scale: float, layout: BlockLayout,
                        probs: torch.Tensor | None) -> torch.Tensor:
@@ -78,33 +93,42 @@ def step_probabilities(kv_caches, block_ids, stored: int, query: torch.Tensor, s
 def live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Tensor], scale: float,
                       layout: BlockLayout = cpu_vec, probs: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
     """One decode step of a request on its `live` layer, every layer as one batch: the probabilities of each
-    layer's query `last` `(q_heads, 1, head_dim)` (`step_probabilities`: only keys read, or none), which the method
-    gets in position order (`hand_over`); only the entries that move are copied, in the pool (`move_entries`).
-    Returns the kept count and the live layer after the step."""
-    n_layers, h, old = live.slot_positions.shape
-    told = live.layer.seen
-    slot_positions = torch.cat([live.slot_positions, torch.full((n_layers, h, 1), told)], dim=-1)
-    by_position = torch.cat([live.by_position, torch.full((n_layers, h, 1), old)], dim=-1)  # the newest, last
+    layer's query `last` `(q_heads, 1, head_dim)` (`step_probabilities`: only keys read, or none) go to the method
+    (`decided_decode_step`); only the entries that move are copied, in the pool (`move_layers_entries`). Returns the
+    kept count and the live layer after the step."""
     query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
-    probs = step_probabilities(kv_caches, block_ids, old + 1, query, scale, layout, probs)
+    probs = step_probabilities(kv_caches, block_ids, live.slot_positions.shape[-1] + 1, query, scale, layout, probs)
+    return decided_decode_step(live, probs, query, scale,
+                               lambda kept, n_keep: move_layers_entries(layout, kv_caches, block_ids, kept, n_keep))
+
+
+def decided_decode_step(live: LiveDecode, probs: torch.Tensor, query: torch.Tensor, scale: float,
+                        move: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[int, LiveDecode]:
+    """The method's decode step on `live`'s rows `(rows, h, stored)`: the step's `probs` `(rows, q_heads, 1, stored +
+    1)` in slot order (the step's token in the last slot) and `query` `(rows, q_heads, 1, head_dim)`; the method gets
+    them in position order (`hand_over`). When it evicts, `move(kept, n_keep)` moves the kept entries of every row
+    `kept` `(rows, h, stored + 1)` into its first `n_keep` slots in the pool and returns their old slots in the new
+    order `(rows, h, n_keep)` (`move_layers_entries`' order). Returns the kept count and the live layer after."""
+    rows, h, old = live.slot_positions.shape
+    told = live.layer.seen
+    slot_positions = torch.cat([live.slot_positions, torch.full((rows, h, 1), told)], dim=-1)
+    by_position = torch.cat([live.by_position, torch.full((rows, h, 1), old)], dim=-1)  # the newest, last
     # each query head reads its KV head's entries: in position order, that head's own order
-    group = query.shape[1] // h
+    group = probs.shape[1] // h
     in_order = probs[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
-    probs = in_order.view(n_layers, h * group, 1, old + 1)
-    stand_in = torch.zeros(1, 1, 1, 1).expand(n_layers, h, 1, 1)
+    stand_in = torch.zeros(1, 1, 1, 1).expand(rows, h, 1, 1)
     with live.cache.phase(Phase.DECODE):
         full = live.cache.update(stand_in, stand_in, 0)
-    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, probs)
+    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, in_order.view(rows, h * group, 1, old + 1))
     if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return old + 1, LiveDecode(live.cache, slot_positions, by_position)
     kept, n_keep = kept_slots(live.layer, slot_positions)
-    order = move_layers_entries(layout, kv_caches, block_ids, kept, n_keep)  # nothing read: copied inside the pool
+    order = move(kept, n_keep)  # nothing read: copied inside the pool
     # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
     # (new slot j holds old slot `order[j]`)
-    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(n_layers, h, n_keep)
-    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(n_layers, h, n_keep))
+    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(rows, h, n_keep)
+    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(rows, h, n_keep))
     return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), renumbered.gather(-1, old_slots))
-
 
 
 @dataclass
@@ -125,6 +149,12 @@ class LiveInPlace:
         """`(layers, h, stored)`: the positions in the request's slots."""
         kv = self.layer.kv
         return kv.positions[..., :kv.width]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """`(rows, h, stored + 1)`: the positions in the rows' slots, the free last one included (what `on_slots`
+        takes)."""
+        return self.layer.kv.positions
 
     def follows(self, told: int, stored: int, state: Any) -> bool:
         """True when the layer is where the request is (`LiveDecode.follows`)."""

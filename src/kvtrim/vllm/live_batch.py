@@ -1,14 +1,16 @@
-"""The decode steps of a step's requests under one method decided as one batch (`LiveBatch`), for methods that
-evict in place and read only their probabilities there (`in_place_decode` and `attention_only_decode`: TOVA, H2O).
+"""The decode steps of a step's requests under one method decided as one batch (`LiveBatch`), for methods that read
+only their probabilities there (`attention_only_decode`: TOVA, H2O, LazyEviction).
 
-One request's in-place decode step (`kvtrim.vllm.live.in_place_decode_step`) costs about 0.7 ms of operations whose
-cost does not grow with its entries (the method's rule, the move, the layer's bookkeeping: ~40 small
-operations); with 11 requests that is most of a step's eviction time. Here the requests of one group (the same
-method and parameters, the same stored count, and the same prompt length where the budget follows from it) are rows
-of one decision layer, request-major (request `r`'s layer `l` is row `r * layers + l`), in the blocks' slot order as
-`LiveInPlace` keeps them: the step's probabilities of every member (kvtrim's attention backend computed them) go
-through one run of the method's rule, one set of moves (`move_table_slots`, each request in its own blocks) and one
-refill of the freed slots.
+One request's decode step (`kvtrim.vllm.live`) costs about 0.7 ms of operations whose cost does not grow with its
+entries (the method's rule, the move, the layer's bookkeeping: ~40 small operations); with 11 requests that is most
+of a step's eviction time. Here the requests of one group (the same method and parameters, the same stored count,
+the same prompt length where the budget follows from it, and what of the method's state is shared by its rows:
+LazyEviction's count of decode steps) are rows of one decision layer of the method's kind (`live_layer_kind`),
+request-major (request `r`'s layer `l` is row `r * layers + l`): the step's probabilities of every member (kvtrim's
+attention backend computed them) go through one run of the method's rule. A method that evicts in place (TOVA, H2O:
+`LiveInPlace`, in the blocks' slot order) then has one set of moves (`move_table_slots`, each request in its own
+blocks) and one refill of the freed slots; LazyEviction (`LiveDecode`) moves nothing between its evictions and,
+every `window` steps, each member's kept entries in its own blocks.
 
 Rows of different requests share the layer's count of tokens seen, so each request's positions are rebased by a
 shift (`shifts`: its newest token is at the layer's `seen - 1`): rules relative to `seen` (H2O's recent window)
@@ -26,21 +28,22 @@ import torch
 
 from kvtrim.cache import TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
-from kvtrim.vllm.block_io import move_table_slots
+from kvtrim.vllm.block_io import move_layers_entries, move_table_slots
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import hand_over
 from kvtrim.vllm.entries import RequestEntries
-from kvtrim.vllm.live import LiveInPlace
+from kvtrim.vllm.live import LiveDecode, LiveInPlace, decided_decode_step, live_layer_kind
 from kvtrim.vllm.planning import Due
 
 
 @dataclass
 class LiveBatch:
-    """The decision layer of a group's requests `members` (their ids, in row order): one `TrimLayer` whose rows are
-    `(members * layers, kv_heads, stored + 1)`, request-major, on stand-in keys, positions rebased by `shifts` (one per member)
-    (a request's position + its shift); after each step its last slot is free (the next step's token)."""
+    """The decision layer of a group's requests `members` (their ids, in row order): a `LiveInPlace` (its last slot
+    free after each step, for the next step's token) or a `LiveDecode` whose rows are `members * layers`,
+    request-major, on stand-in keys, positions rebased by `shifts` (one per member: a request's position + its
+    shift)."""
 
-    live: LiveInPlace
+    live: LiveInPlace | LiveDecode
     members: list[str]
     shifts: list[int]
     n_layers: int
@@ -52,7 +55,7 @@ class LiveBatch:
     @property
     def stored(self) -> int:
         """Entries each member stores before its next step's token."""
-        return self.layer.kv.width
+        return self.live.slot_positions.shape[-1]
 
     def rows(self, index: int) -> torch.Tensor:
         """Member `index`'s rows `(layers,)`."""
@@ -61,17 +64,17 @@ class LiveBatch:
     @classmethod
     def formed(cls, method: EvictionMethod, members: list[str], lives: list, prompt_tokens: int,
                n_layers: int) -> LiveBatch:
-        """The batch of requests `members` from their decision layers `lives` (each a `LiveInPlace` whose last slot
-        is free, or a `BatchRows` of an earlier batch), all storing the same count."""
-        parts = [live.own_rows() if isinstance(live, BatchRows) else (live.layer.kv.positions, live.layer.state,
-                                                                      live.layer.seen) for live in lives]
+        """The batch of requests `members` from their decision layers `lives` (each the method's `live_layer_kind`,
+        a `LiveInPlace` with its last slot free, or a `BatchRows` of an earlier batch), all storing the same count."""
+        parts = [live.own_rows() if isinstance(live, BatchRows) else (live.slots, live.layer.state, live.layer.seen)
+                 for live in lives]
         width = parts[0][0].shape[-1]
         check(all(p.shape[-1] == width for p, _, _ in parts), "the requests of one batch store different counts")
         seen = max(told for _, _, told in parts)
         shifts = [seen - told for _, _, told in parts]
         positions = torch.cat([p + shift for (p, _, _), shift in zip(parts, shifts)])
-        live = LiveInPlace.on_slots(method, positions, method.stack_states([s for _, s, _ in parts]), seen,
-                                    prompt_tokens)
+        live = live_layer_kind(method).on_slots(method, positions, method.stack_states([s for _, s, _ in parts]),
+                                                seen, prompt_tokens)
         return cls(live, list(members), shifts, n_layers)
 
 
@@ -84,27 +87,31 @@ class BatchRows:
     index: int
 
     def own_rows(self) -> tuple[torch.Tensor, Any, int]:
-        """Its slot positions `(layers, h, stored + 1)` (the free last slot included), its state in that order and
-        the tokens it has seen: copies of its rows, shift undone."""
+        """Its slot positions `(layers, h, stored [+ 1])` (as the batch's `live.slots`: a free last slot
+        included), its state as the batch's layer holds it and the tokens it has seen: copies of its rows, shift
+        undone."""
         batch, rows = self.batch, self.batch.rows(self.index)
         layer, shift = batch.layer, batch.shifts[self.index]
-        return (layer.kv.positions.index_select(0, rows) - shift, layer.method.state_rows(layer.state, rows),
+        return (batch.live.slots.index_select(0, rows) - shift, layer.method.state_rows(layer.state, rows),
                 layer.seen - shift)
 
     def detach(self, entries: RequestEntries, prompt_tokens: int) -> None:
-        """Give the request its own decision layer again (a `LiveInPlace` of its rows) and its `entries`' positions
-        and states as that layer has them (`kvtrim.vllm.compact` then goes on as after its own decode step)."""
+        """Give the request its own decision layer again (of its rows) and its `entries`' positions and states as
+        that layer has them (`kvtrim.vllm.compact` then goes on as after its own decode step)."""
         positions, state, seen = self.own_rows()
-        entries.live = LiveInPlace.on_slots(self.batch.layer.method, positions, state, seen, prompt_tokens)
-        entries.positions = list(positions[..., :-1].unbind(0))
+        method = self.batch.layer.method
+        entries.live = live_layer_kind(method).on_slots(method, positions, state, seen, prompt_tokens)
+        entries.positions = list(entries.live.slot_positions.unbind(0))
         entries.states = [state] * positions.shape[0]
 
 
-def batch_key(method: EvictionMethod, stored: int, prompt_tokens: int) -> tuple:
+def batch_key(method: EvictionMethod, stored: int, prompt_tokens: int, state: Any) -> tuple:
     """What the requests of one batch share: the method and its parameters, the entries stored before the step,
-    and the prompt's length unless the method's budget is fixed before it (a ratio's budget follows from it)."""
+    the prompt's length unless the method's budget is fixed before it (a ratio's budget follows from it), and what
+    of the method's `state` is not per row (`EvictionMethod.state_key`: LazyEviction's count of decode steps)."""
     fixed = getattr(method, "fixed_budget", lambda: None)()
-    return type(method), method.describe(), stored, None if fixed is not None else prompt_tokens
+    return (type(method), method.describe(), stored, None if fixed is not None else prompt_tokens,
+            method.state_key(state))
 
 
 def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch: LiveBatch, probs: torch.Tensor,
@@ -135,26 +142,27 @@ def batch_decode_step(kv_caches: list[torch.Tensor], tables: torch.Tensor, batch
 
 def batch_stored(entries: RequestEntries, method: EvictionMethod, due: Due, has_probs: bool) -> int | None:
     """The entries a request stores before its step's token when its compaction `due` can be decided in a batch, else
-    None: an in-place method fed only its probabilities (`in_place_decode`, `attention_only_decode`), one decode
-    step whose probabilities kvtrim's attention backend computed (`has_probs`), nothing to copy or register, and a
-    decision layer where the request is (its own `LiveInPlace` with its last slot free, or its batch's rows) that
-    keeps the count the scheduler planned (one entry out per layer and KV head)."""
-    if not (method.in_place_decode and method.attention_only_decode and has_probs and not due.copies
-            and due.registers is None and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE
-            and entries.hole is None):
+    None: a method fed only its probabilities at decode steps (`attention_only_decode`), one decode step whose
+    probabilities kvtrim's attention backend computed (`has_probs`), nothing to copy or register, and a decision
+    layer where the request is: its own (the method's `live_layer_kind`; a `LiveInPlace` with its last slot free)
+    or its batch's rows. A method that evicts in place keeps the count the scheduler planned (one entry out per layer
+    and KV head); any other's count is checked after the step (`decide_group`)."""
+    if not (method.attention_only_decode and has_probs and not due.copies and due.registers is None
+            and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE and entries.hole is None):
         return None
     live, told = entries.live, due.end - 1
     if isinstance(live, BatchRows):
         stored = live.batch.stored
         follows = live.batch.layer.seen - live.batch.shifts[live.index] == told
-    elif isinstance(live, LiveInPlace):
-        kv = live.layer.kv
-        stored, free = kv.width, getattr(kv, "free_slots", None)
-        follows = (live.follows(told, entries.m, entries.states[0]) and free is not None
-                   and bool((free == stored).all()))  # its last slot free: the step's token goes there
+    elif isinstance(live, live_layer_kind(method)):
+        stored = live.slot_positions.shape[-1]
+        follows = live.follows(told, entries.m, entries.states[0])
+        if isinstance(live, LiveInPlace):
+            free = getattr(live.layer.kv, "free_slots", None)  # its last slot free: the step's token goes there
+            follows = follows and free is not None and bool((free == stored).all())
     else:
         return None
-    return stored if follows and due.end - due.discarded == stored else None
+    return stored if follows and (due.end - due.discarded == stored or not method.in_place_decode) else None
 
 
 def batch_groups(due: list, request, prob_index: dict, one_scale: bool) -> tuple[list[list], list]:
@@ -166,27 +174,52 @@ def batch_groups(due: list, request, prob_index: dict, one_scale: bool) -> tuple
         req = request(item[0])
         stored = (batch_stored(req.entries, req.method, item[1], item[0] in prob_index)
                   if one_scale and item[1].end == item[2] else None)  # (else `compact` says the plan is off)
-        groups.setdefault(None if stored is None else batch_key(req.method, stored, req.prompt_tokens), []).append(item)
+        key = None if stored is None else batch_key(req.method, stored, req.prompt_tokens, _state(req.entries.live))
+        groups.setdefault(key, []).append(item)
     rest = groups.pop(None, [])
     for key in [key for key, items in groups.items() if len(items) == 1]:
         rest += groups.pop(key)
     return list(groups.values()), rest
 
 
+def _state(live) -> Any:
+    """The method's state on a request's decision layer (its batch's, when in one)."""
+    return (live.batch if isinstance(live, BatchRows) else live).layer.state
+
+
+def batch_live_step(kv_caches: list[torch.Tensor], block_ids: list[torch.Tensor], batch: LiveBatch,
+                    probs: torch.Tensor, queries: torch.Tensor, scale: float, layout: BlockLayout) -> None:
+    """One decode step of every member of a batch on a `LiveDecode` (`live_decode_step` for all of them at once:
+    `decided_decode_step` on the batch's rows), `probs` and `queries` as `batch_decode_step`'s; when the method
+    evicts (LazyEviction, every `window` steps), each member's kept entries move in its own blocks `block_ids`."""
+
+    def move(kept: torch.Tensor, n_keep: int) -> torch.Tensor:
+        return torch.cat([move_layers_entries(layout, kv_caches, blocks, kept.index_select(0, batch.rows(i)), n_keep)
+                          for i, blocks in enumerate(block_ids)])
+
+    _, batch.live = decided_decode_step(batch.live, probs, queries, scale, move)
+
+
 def decide_group(kv_caches: list[torch.Tensor], reqs: list, ids: list[str], block_ids: list[list[int]],
-                 ends: list[int], tap, scale: float, layout: BlockLayout) -> int:
+                 ends: list[int], planned: list[int], tap, scale: float, layout: BlockLayout) -> int:
     """The decode steps of a group of requests `ids` (their `WorkerRequest`s `reqs`, blocks `block_ids`, tokens `ends`
-    after the step) on their batch: the one their rows are in when it holds exactly them in this order, else one
-    formed from their decision layers; their probabilities and queries taken from the attention backend's `tap`
-    (`QueryTap.take_prob_rows`). Returns the entries each stores afterwards."""
+    after the step, entries `planned` after it by the scheduler) on their batch: the one their rows are in when it
+    holds exactly them in this order, else one formed from their decision layers; their probabilities and queries
+    taken from the attention backend's `tap` (`QueryTap.take_prob_rows`). Returns the entries each stores
+    afterwards (a count other than planned fails the group)."""
     lives = [req.entries.live for req in reqs]
     batch = getattr(lives[0], "batch", None)
     if batch is None or batch.members != ids or any(getattr(live, "batch", None) is not batch for live in lives):
         batch = LiveBatch.formed(reqs[0].method, ids, lives, reqs[0].prompt_tokens, len(kv_caches))
     probs, queries = tap.take_prob_rows(ids, batch.stored + 1)
-    width = max(len(b) for b in block_ids)
-    tables = torch.tensor([b + b[:1] * (width - len(b)) for b in block_ids])  # padded with a block of its own
-    batch_decode_step(kv_caches, tables, batch, probs, queries, scale, layout)
+    if isinstance(batch.live, LiveInPlace):
+        width = max(len(b) for b in block_ids)
+        tables = torch.tensor([b + b[:1] * (width - len(b)) for b in block_ids])  # padded with a block of its own
+        batch_decode_step(kv_caches, tables, batch, probs, queries, scale, layout)
+    else:
+        batch_live_step(kv_caches, [torch.tensor(b) for b in block_ids], batch, probs, queries, scale, layout)
     for index, (req, end) in enumerate(zip(reqs, ends)):
         req.entries.live, req.entries.seen = BatchRows(batch, index), end
+    check(all(n == batch.stored for n in planned),
+          f"a batch of {reqs[0].method.describe()} keeps {batch.stored} entries, the scheduler planned {planned}")
     return batch.stored

@@ -22,8 +22,8 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   (`_prepare_inputs`) plans which query rows to copy (the last `kvtrim_query_window(req_id)` positions of a prompt or
   prompt block, across prefill chunks: SnapKV, TOVA; every prefill row for H2O, whose prompt attention is summed
   chunk by chunk, `WorkerRequest.prompt_sums`; a due forward's rows after the prompt: TOVA, H2O) and, for a due
-  decode step of a method fed only its probabilities, has the backend compute the step's probabilities for all such requests
-  at once; those of one method that evicts in place are then decided as one batch per group (`_kvtrim_batches`,
+  decode step of a method fed only its probabilities, has the backend compute the step's probabilities for all such
+  requests at once; those of one method are then decided as one batch per group (`_kvtrim_batches`,
   `kvtrim.vllm.live_batch`). Without the hand-off such a request fails alone at its prompt's end (one line);
   requests that ask for nothing leave the tap idle (vLLM's path exactly);
 * every 16 steps and at each prompt's compaction it logs `kvtrim: stats steps=... step_s=... compaction_s=...`
@@ -382,14 +382,16 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_compacted(req_id, plan, gone, time.perf_counter() - start)
 
     def _kvtrim_batches(self, due: list) -> list:
-        """This step's in-place decode steps, one batch per group (`kvtrim.vllm.live_batch`); returns the others."""
+        """This step's decode steps of methods fed only their probabilities there, one batch per group
+        (`kvtrim.vllm.live_batch`); returns the others."""
         tap = self.kvtrim_tap
         groups, rest = batch_groups(due, self.kvtrim_request, tap.prob_index, len(set(self.kvtrim_scales)) == 1)
         for items in groups:
             start, ids = time.perf_counter(), [req_id for req_id, _, _ in items]
             try:
                 stored = decide_group(self.kv_caches, [self.kvtrim_request(i) for i in ids], ids,
-                                      [self.requests[i].block_ids[0] for i in ids], [end for *_, end in items], tap,
+                                      [self.requests[i].block_ids[0] for i in ids], [end for *_, end in items],
+                                      [plan.end - plan.discarded for _, plan, _ in items], tap,
                                       self.kvtrim_scales[0], self._kvtrim_layout)
             except Exception as err:  # noqa: BLE001 - the group's requests fail, the engine goes on
                 for req_id, plan, _ in items:
