@@ -1,8 +1,9 @@
 """What a decode step of many requests of one method costs the worker, each request decided alone (`compact`, one
 after another) against all of them as one batch (`kvtrim.vllm.live_batch`), without a server: the long-generation
 load's step, 11 requests on SmolLM2's shapes (30 layers, 3 KV heads, 9 query heads, head_dim 64, bf16 blocks of 128
-in one allocation of 56 blocks per layer), each past its prompt (600-610 tokens: a budget of 512 reached at once),
-then `--steps` decode steps that each evict one entry per layer and KV head.
+in one allocation of 56 blocks per layer), each past its prompt (600-610 tokens: a budget of 512 reached at once;
+LazyEviction: 500 tokens each, its requests batched only when they store the same count), then `--steps` decode
+steps (TOVA, H2O: each evicts one entry per layer and KV head).
 
     .venv-serve/bin/python benchmarks/serving/batch_cost.py [--threads N] [--steps N] [SPEC ...]
     # default: 1 thread (the operations are small), 60 steps, tova:budget=512 h2o:budget=512

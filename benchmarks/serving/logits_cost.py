@@ -7,9 +7,11 @@ blocks each: the long-generation load's step.
     .venv-serve/bin/python benchmarks/serving/logits_cost.py [--threads N]   # default 2 (the server's worker)
 
 Prints, per layout ("amx": the kernel this machine's vLLM runs bf16 with; "vec"), the median ms of the step's
-logits (all layers, 20 repeats) for each function, and the largest difference between them; beside them, what vLLM's
-own decode attention over the same blocks costs (`cpu_attention_with_kv_cache`, the layout's ISA, every layer): the
-most the logits could save by being computed inside that pass.
+logits (all layers, 20 repeats) for each function, and the largest difference between them; then what the worker's
+backend runs since 2026-12-07, the step's probabilities over each request's 513 entries (`table_key_probs`: the
+logits, scaled, softmax, in the kernel; torch's `softmax_probabilities` on the layout's logits); beside them, what
+vLLM's own decode attention over the same blocks costs (`cpu_attention_with_kv_cache`, the layout's ISA, every
+layer): the most the logits could save by being computed inside that pass.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ if __name__ == "__main__":
     caches = list(torch.randn(LAYERS, POOL, KV_HEADS, BLOCK, 2 * HEAD_DIM).bfloat16().unbind(0))
     table = torch.stack([torch.randperm(POOL)[:BLOCKS] for _ in range(REQUESTS)])
     queries = torch.randn(LAYERS, REQUESTS, Q_HEADS, HEAD_DIM).bfloat16()
-    print(f"{'layout':<6} {'torch ms':>9} {'kernel ms':>9} {'max |diff|':>10} {'vLLM attention ms':>17}   "
-          f"({torch.get_num_threads()} threads)")
+    lengths = torch.full((REQUESTS,), 4 * BLOCK + 1)  # the load's requests past a budget of 512, the step's token
+    print(f"{'layout':<6} {'torch ms':>9} {'kernel ms':>9} {'max |diff|':>10} {'probs torch ms':>14} "
+          f"{'probs kernel ms':>15} {'vLLM attention ms':>17}   ({torch.get_num_threads()} threads)")
     for name, layout in (("amx", layout_amx), ("vec", cpu_vec)):
         kernel, how = kernels.table_key_logits(layout)
         if kernel is layout.table_key_logits:
@@ -83,6 +86,12 @@ if __name__ == "__main__":
         kernel_ms = median_ms(lambda: [kernel(kv, table, q) for kv, q in zip(caches, queries)])
         diff = max(float((layout.table_key_logits(kv, table, q).float() - kernel(kv, table, q).float()).abs().max())
                    for kv, q in zip(caches, queries))
+        probs, _ = kernels.table_key_probs(layout)
+        by_torch = kernels.torch_key_probs(layout)
+        probs_torch_ms = median_ms(lambda: [by_torch(kv, table, q, lengths, HEAD_DIM ** -0.5)
+                                            for kv, q in zip(caches, queries)])
+        probs_ms = median_ms(lambda: [probs(kv, table, q, lengths, HEAD_DIM ** -0.5) for kv, q in zip(caches, queries)])
         attend = vllm_attention(name, caches, table, queries)
         attention = "-" if attend is None else f"{median_ms(attend):.2f}"
-        print(f"{name:<6} {torch_ms:>9.2f} {kernel_ms:>9.2f} {diff:>10.4f} {attention:>17}")
+        print(f"{name:<6} {torch_ms:>9.2f} {kernel_ms:>9.2f} {diff:>10.4f} {probs_torch_ms:>14.2f} {probs_ms:>15.2f} "
+              f"{attention:>17}")
