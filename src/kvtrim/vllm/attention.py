@@ -126,8 +126,8 @@ class QueryTap:
             rows.append(row)
             table.append(ids + ids[:1] * (width - len(ids)))
             index[req_id] = (r, stored)
-        stored = torch.tensor([stored for _, stored in index.values()])
-        self.prob_batch, self.prob_index = (torch.tensor(rows), torch.tensor(table), stored), index
+        lengths = torch.tensor([stored for _, stored in index.values()])
+        self.prob_batch, self.prob_index = (torch.tensor(rows), torch.tensor(table), lengths), index
 
     def step_probs(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
         """Compute layer `layer_name`'s probabilities of this step's planned decode steps from its `query`

@@ -8,8 +8,9 @@ The kernel is C++ built once per machine and Python environment through PyTorch'
 needs too; `build`: one process at a time, a killed build's lock removed; `load`: at most `BUILD_TIMEOUT_S`). It reads the key halves of
 vLLM's CPU kernels "vec"/"vec16" (keys channel-major per block) and "amx" (packed in channel pairs per 16 tokens), in
 float32 or bfloat16, accumulates in float32 and rounds to the cache's dtype, as the torch functions' product does.
-`table_key_logits(layout)` gives the function the worker's attention backend calls (`QueryTap.step_logits`): the
-kernel's, or the layout's own torch function when the kernel does not build (the worker logs which, once).
+`table_key_probs(layout)` gives the function the worker's attention backend calls (`QueryTap.step_probs`: the
+logits, scaled, their softmax): the kernel's, or torch's when the kernel does not build (the worker logs which,
+once); `table_key_logits(layout)` the logits alone (benchmarks/serving/logits_cost.py, tests).
 """
 
 from __future__ import annotations
@@ -240,12 +241,17 @@ static void run_probs(const T* cache, int64_t block_stride, int64_t head_stride,
   });
 }
 
-torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query,
-                              torch::Tensor lengths, double scale, bool amx) {
+// what both entry points need of their inputs
+static void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& query, bool amx) {
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3)
               && kv_cache.stride(1) == kv_cache.size(2) * kv_cache.size(3), "kv_cache: (blocks, h, bs, 2d), slabs contiguous");
   TORCH_CHECK(query.is_contiguous() && query.scalar_type() == kv_cache.scalar_type(), "query: contiguous, the cache's dtype");
   TORCH_CHECK(!amx || kv_cache.scalar_type() == at::kBFloat16, "the amx packing holds bfloat16 only");
+}
+
+torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query,
+                              torch::Tensor lengths, double scale, bool amx) {
+  check_inputs(kv_cache, query, amx);
   auto table = block_table.contiguous();
   auto lens = lengths.to(at::kLong).contiguous();
   const int64_t h = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
@@ -269,10 +275,7 @@ torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table,
 }
 
 torch::Tensor table_key_logits(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query, bool amx) {
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3)
-              && kv_cache.stride(1) == kv_cache.size(2) * kv_cache.size(3), "kv_cache: (blocks, h, bs, 2d), slabs contiguous");
-  TORCH_CHECK(query.is_contiguous() && query.scalar_type() == kv_cache.scalar_type(), "query: contiguous, the cache's dtype");
-  TORCH_CHECK(!amx || kv_cache.scalar_type() == at::kBFloat16, "the amx packing holds bfloat16 only");
+  check_inputs(kv_cache, query, amx);
   auto table = block_table.contiguous();
   const int64_t h = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
   const int64_t r_count = table.size(0), u_count = table.size(1), q_heads = query.size(1);
@@ -371,15 +374,22 @@ def _cpu_model() -> str:
         return ""
 
 
+def _kernel(layout: ModuleType) -> tuple[ModuleType | None, str]:
+    """The built kernel module for `layout` and one line naming what computes its step's numbers (for the worker's
+    log), or None and why torch does instead."""
+    if layout not in KERNEL_LAYOUTS:
+        return None, "torch ops (the kernel reads vLLM's CPU layouts only)"
+    module, how = load()
+    return module, how if module is not None else f"torch ops: {how}"
+
+
 def table_key_logits(layout: ModuleType) -> tuple[Callable, str]:
     """The function computing a layer's decode-step logits on `layout`'s blocks, with the signature of
     `kvtrim.vllm.layout.table_key_logits`: the kernel's for the CPU layouts it reads, else the layout's own; and
     one line naming it (for the worker's log)."""
-    if layout not in KERNEL_LAYOUTS:
-        return layout.table_key_logits, "torch ops (the kernel reads vLLM's CPU layouts only)"
-    module, how = load()
+    module, how = _kernel(layout)
     if module is None:
-        return layout.table_key_logits, f"torch ops: {how}"
+        return layout.table_key_logits, how
     amx = KERNEL_LAYOUTS[layout]
 
     def kernel_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -395,11 +405,9 @@ def table_key_probs(layout: ModuleType) -> tuple[Callable, str]:
     them (the logits rounded to the cache's dtype, scaled, softmax in float32, rounded back), the rest 0. The kernel's
     (its exp and sums in another order: within an ulp of torch's) for the CPU layouts it reads, else
     `torch_key_probs`; and one line naming it (for the worker's log)."""
-    if layout not in KERNEL_LAYOUTS:
-        return torch_key_probs(layout), "torch ops (the kernel reads vLLM's CPU layouts only)"
-    module, how = load()
+    module, how = _kernel(layout)
     if module is None:
-        return torch_key_probs(layout), f"torch ops: {how}"
+        return torch_key_probs(layout), how
     amx = KERNEL_LAYOUTS[layout]
 
     def kernel_probs(kv_cache, block_table, query, lengths, scale):
