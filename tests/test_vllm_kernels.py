@@ -1,5 +1,8 @@
 """kvtrim's C++ kernel for the decode steps' logits (`kvtrim.vllm.kernels`) against the layouts' torch functions,
-on blocks vLLM's own write kernels filled ("vec" and "amx"), float32 and bfloat16."""
+on blocks vLLM's own write kernels filled ("vec" and "amx"), float32 and bfloat16. On a CPU without AMX tiles
+(where vLLM's "amx" kernels refuse to run) the "amx" blocks are packed by kvtrim's `layout_amx.write_entries`
+(checked against vLLM's own writes in tests/test_vllm_layout_amx.py where the tiles exist), so the kernel's
+reading of that packing is tested on every machine."""
 
 import pytest
 import torch
@@ -10,6 +13,16 @@ from kvtrim.vllm import kernels, layout as cpu_vec, layout_amx  # noqa: E402
 from test_vllm_layout import kernel_write  # noqa: E402
 
 NB, H, BS, D, Q_HEADS = 9, 3, 32, 64, 9
+
+
+def filled(cache, keys, values, isa):
+    """`keys`, `values` `(n, h, d)` in the first n slots of `cache`: vLLM's write kernel `isa`, or kvtrim's packing
+    for "amx" on a CPU without AMX tiles."""
+    if isa != "amx" or torch.cpu._is_amx_tile_supported():
+        return kernel_write(cache, keys, values, torch.arange(keys.shape[0]), isa)
+    n, h, d = keys.shape
+    layout_amx.write_entries(cache, torch.arange(cache.shape[0]), torch.arange(h).repeat(n),
+                             torch.arange(n).repeat_interleave(h), keys.reshape(n * h, d), values.reshape(n * h, d))
 
 
 @pytest.mark.parametrize("layout,isa", [(cpu_vec, "vec"), (layout_amx, "amx")])
@@ -24,7 +37,7 @@ def test_the_kernel_computes_what_the_layouts_torch_function_does(layout, isa, d
     torch.manual_seed(0)
     cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
     n = NB * BS
-    kernel_write(cache, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), torch.arange(n), isa)
+    filled(cache, torch.randn(n, H, D).to(dtype), torch.randn(n, H, D).to(dtype), isa)
     # three requests' blocks, a shorter one padded with its first (the backend's table), one block twice
     table = torch.tensor([[4, 0, 7], [2, 2, 2], [8, 1, 5]])
     query = torch.randn(3, Q_HEADS, D).to(dtype)
@@ -57,7 +70,7 @@ def test_the_probabilities_are_softmax_probabilities_of_each_requests_entries(la
     torch.manual_seed(1)
     cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
     n = NB * BS
-    kernel_write(cache, (3 * torch.randn(n, H, D)).to(dtype), torch.randn(n, H, D).to(dtype), torch.arange(n), isa)
+    filled(cache, (3 * torch.randn(n, H, D)).to(dtype), torch.randn(n, H, D).to(dtype), isa)
     table = torch.tensor([[4, 0, 7], [2, 2, 2], [8, 1, 5], [3, 6, 0]])
     lengths = torch.tensor([3 * BS - 5, 1, 2 * BS, BS + 1])
     query = torch.randn(4, Q_HEADS, D).to(dtype)

@@ -39,7 +39,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -50,6 +50,15 @@ static inline float bits_float(uint32_t bits) {
 }
 static inline float as_float(float x) { return x; }
 static inline float as_float(c10::BFloat16 x) { return bits_float(static_cast<uint32_t>(x.x) << 16); }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 8 consecutive values as floats (AVX2 machines: AMD's before Zen 4, Intel's before Skylake-X)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 // one query row against one block's keys (bs tokens): acc[0..bs)
 template <typename T>
@@ -73,6 +82,23 @@ static inline void block_logits(const T* __restrict__ keys, const float* __restr
         for (int64_t v = 0; v < n; ++v) _mm512_storeu_ps(acc + 16 * v, a[v]);
         return;
       }
+    }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (bs % 8 == 0) {  // 64 tokens at a time in 8 registers (8 when fewer are left), every channel added in
+      for (int64_t t0 = 0; t0 < bs;) {
+        const int64_t n = bs - t0 >= 64 ? 8 : 1;
+        __m256 a[8];
+        for (int64_t v = 0; v < n; ++v) a[v] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; ++c) {
+          const T* k = keys + c * bs + t0;
+          const __m256 qc = _mm256_set1_ps(q[c]);
+          for (int64_t v = 0; v < n; ++v) a[v] = _mm256_fmadd_ps(qc, load8(k + 8 * v), a[v]);
+        }
+        for (int64_t v = 0; v < n; ++v) _mm256_storeu_ps(acc + t0 + 8 * v, a[v]);
+        t0 += 8 * n;
+      }
+      return;
     }
 #endif
     std::fill(acc, acc + bs, 0.0f);
@@ -156,6 +182,35 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// exp16's steps on 8 floats; 2^n (n >= -149) as two factors that are each a normal float (AVX2 has no scalef): the
+// product rounds once, as scalef does
+static inline __m256 pow2(__m256i e) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-103.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(_mm256_sub_epi32(ni, half))), pow2(half));
+}
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
 static inline uint32_t float_bits(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -182,6 +237,13 @@ static inline void softmax_row(float* row, int64_t n) {
   for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
   m = _mm512_reduce_max_ps(top);
 #endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 top = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + t));
+    m = hmax8(top);
+  }
+#endif
   for (; t < n; ++t) m = std::max(m, row[t]);
   t = 0;
 #if defined(__AVX512F__)
@@ -200,6 +262,23 @@ static inline void softmax_row(float* row, int64_t n) {
     t = n;
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mv));
+    _mm256_storeu_ps(row + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (t < n) {  // the tail: lanes past n read and written as nothing, added as 0
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), lane);
+    const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(k), exp8(_mm256_sub_ps(_mm256_maskload_ps(row + t, k), mv)));
+    _mm256_maskstore_ps(row + t, k, e);
+    acc = _mm256_add_ps(acc, e);
+    t = n;
+  }
+  sum = hsum8(acc);
 #endif
   for (; t < n; ++t) sum += (row[t] = std::exp(row[t] - m));
   const float inv = 1.0f / sum;
