@@ -295,8 +295,9 @@ def test_decode_attention_keeps_what_transformers_keeps(engine, hf_tova, tmp_pat
     """TOVA, H2O and LazyEviction in the engine: the prompt's last queries (TOVA: the last, captured in its last
     chunk; H2O: its prompt's attention column sums instead, added up after each prefill chunk: no prompt query is
     held across chunks; LazyEviction: none) at the prompt's end, then at each decode step the step's
-    query, whose logits over the request's stored entries kvtrim's attention backend computes for all such requests
-    of the step, right after the layer's attention, and whose probabilities the compaction takes (H2O: accumulated in its
+    query, whose probabilities over the request's stored entries kvtrim's attention backend computes for all such
+    requests of the step, right after the layer's attention (or with it, from kvtrim's kernel, when the step's forward
+    is such requests' decode steps alone: the request alone here), and which the compaction takes (H2O: accumulated in its
     state across compactions; LazyEviction: its recurrence state, carried the same way):
     after the last decode step, the positions its blocks hold, per layer and KV head, are those `TrimCache` keeps
     in transformers, and the greedy tokens are transformers'; a request beside it with another method, or none,
@@ -316,7 +317,8 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
     for items in runs:
         from vllm import SamplingParams
 
-        taken = report(llm, tmp_path)["probs_taken"]
+        before = report(llm, tmp_path)
+        taken, attended = before["probs_taken"], before["attended"]
 
         prompts = [{"prompt_token_ids": tok(REQUESTS[p][0]).input_ids} for _, p, _, _ in items]
         params = [SamplingParams(max_tokens=TOVA_TOKENS, temperature=0, ignore_eos=True,
@@ -326,6 +328,9 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
         # every decode step's probabilities came from the logits kvtrim's attention backend computed for it
         fed = sum(spec.split(":")[0] in ("tova", "h2o", "lazyeviction") for _, _, spec, _ in items)
         assert r["probs_taken"] - taken == fed * (TOVA_TOKENS - 1)
+        if len(items) == fed == 1:  # its decode steps alone in their forwards: their attention from kvtrim's kernel,
+            # with the probabilities (`QueryTap.attends`), in every layer
+            assert r["attended"] - attended == 30 * (TOVA_TOKENS - 1), r["attended"] - attended
         for (name, prompt, spec, _), output in zip(items, outputs):
             assert len(output.token_ids) == TOVA_TOKENS and name not in r["failed"], (name, r["failed"].get(name))
             if spec not in specs:

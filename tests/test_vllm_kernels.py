@@ -107,3 +107,68 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on():
     assert stale and not os.path.exists(lock)
     assert again.table_key_logits is not None
     assert kernels.build(name)[1] is False  # nothing left to remove
+
+
+def vllm_decode_attention(cache, table, query, lengths, isa):
+    """vLLM's own CPU decode attention (`cpu_attention_with_kv_cache`, as its backend calls it) of one query row per
+    request `(R, q_heads, head_dim)` over its first `lengths[r]` entries in its blocks `table`."""
+    requests, q_heads, d = query.shape
+    nb, h, bs, _ = cache.shape
+    seq_lens, starts = lengths.int(), torch.arange(requests + 1, dtype=torch.int32)
+    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=requests, num_heads=q_heads, num_kv_heads=h, head_dim=d, seq_lens=seq_lens, dtype=cache.dtype,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True,
+        dynamic_causal=None, kv_cache_dtype="auto")
+    keys, values = cache.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+    out = torch.empty(requests, q_heads, d, dtype=cache.dtype)
+    vllm_ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=keys, value_cache=values, output=out, query_start_loc=starts, seq_lens=seq_lens,
+        scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table.int(), softcap=0.0,
+        scheduler_metadata=metadata, s_aux=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return out
+
+
+@pytest.mark.parametrize("layout,isa", [(cpu_vec, "vec"), (layout_amx, "amx")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_attention_is_its_probabilities_times_the_values(layout, isa, dtype):
+    """`table_attention`: the same probabilities as `table_key_probs`, and the attention output `probs @ values` of each
+    request's own first `length` entries (values read by the layout's `read_request`); within rounding of vLLM's own
+    decode attention where it runs; unchanged when the slots past each request's entries hold inf (vLLM's then NaN)."""
+    if isa == "amx" and dtype != torch.bfloat16:
+        pytest.skip("vLLM's amx kernel stores bfloat16 only")
+    fn = kernels.table_attention(layout)
+    assert fn is not None
+    torch.manual_seed(2)
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    n = NB * BS
+    filled(cache, (3 * torch.randn(n, H, D)).to(dtype), (1e4 * torch.randn(n, H, D)).to(dtype), isa)
+    table = torch.tensor([[4, 0, 7], [2, 2, 2], [8, 1, 5], [3, 6, 0]])
+    lengths = torch.tensor([3 * BS - 5, 1, 2 * BS, BS + 1])
+    query = torch.randn(4, Q_HEADS, D).to(dtype)
+    clean_probs, clean = fn(cache, table, query, lengths, D ** -0.5)
+    if isa == "vec" or torch.cpu._init_amx():
+        reference = vllm_decode_attention(cache, table, query, lengths, isa)
+        # vLLM's softmax is not rounded to bfloat16 before its product with the values: a few bf16 units apart
+        scale = reference.float().abs().amax()
+        assert ((clean.float() - reference.float()).abs().amax() / scale) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    # garbage in the slots past each request's length in its last block: inf, which 0 * inf would turn into NaN
+    for r, length in enumerate(lengths.tolist()):
+        past = torch.arange(length, -(-length // BS) * BS)
+        if past.numel():
+            garbage = torch.full((past.numel(), H, D), float("inf")).to(dtype)
+            if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+                layout_amx.write_entries(cache, table[r], torch.arange(H).repeat(past.numel()),
+                                         past.repeat_interleave(H), garbage.reshape(-1, D), garbage.reshape(-1, D))
+            else:
+                kernel_write(cache, garbage, garbage, table[r][past // BS] * BS + past % BS, isa)
+    probs, out = fn(cache, table, query, lengths, D ** -0.5)
+    assert torch.equal(probs, clean_probs) and torch.equal(out, clean)
+    probs_fn, _ = kernels.table_key_probs(layout)
+    assert torch.equal(probs, probs_fn(cache, table, query, lengths, D ** -0.5))
+    assert out.dtype == dtype and out.shape == (4, Q_HEADS, D)
+    group = Q_HEADS // H
+    for r, length in enumerate(lengths.tolist()):
+        _, values = layout.read_request(cache, table[r], length)  # (h, length, d)
+        expected = (probs[r, :, None, :length].float() @ values.float().repeat_interleave(group, 0))[:, 0]
+        assert torch.allclose(out[r].float(), expected, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-2), \
+            (r, (out[r].float() - expected).abs().max())

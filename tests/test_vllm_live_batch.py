@@ -105,7 +105,7 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec, prompts):
                 due = req.write(kv, end)  # (LazyEviction keeps its prompt whole: nothing due at its end)
                 if due is not None:
                     compact_alone(kv, req, due, *(req.step_probs(kv) if end > req.prompt else ()))
-    formed = set()
+    formed = {}  # id -> the batch itself: held, so that no id is reused by a later batch
     for step in range(steps):
         tap, due = QueryTap(), []
         stepped = []
@@ -133,7 +133,7 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec, prompts):
         for m in members:
             m.gone = m.end - stored
             assert m.gone == m.counts.discarded
-            formed.add(id(m.worker.entries.live.batch))
+            formed[id(m.worker.entries.live.batch)] = m.worker.entries.live.batch
         for req in alone:
             compact_alone(reference, req, req.write(reference, req.end + 1), *req.step_probs(reference))
         for b, a in zip(batched, alone):

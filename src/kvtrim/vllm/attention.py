@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -91,10 +92,19 @@ class QueryTap:
     #: the function computing them (`kvtrim.vllm.kernels.table_key_probs`: kvtrim's kernel, or torch's; set by the
     #: worker; None: torch's on the layout's logits)
     probs_fn: Any = None
-    #: seconds spent on the probabilities since the worker last took them (`take_seconds`: eviction time)
+    #: the function computing the probabilities and the layer's attention output in one pass
+    #: (`kvtrim.vllm.kernels.table_attention`; set by the worker; None: vLLM's attention, then `probs_fn`)
+    attention_fn: Any = None
+    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities, vLLM's not run (`attends`)
+    attended: int = 0
+    #: seconds spent on the probabilities since the worker last took them (`take_seconds`: eviction time; a pass
+    #: that also computed the layer's attention counts whole)
     seconds: float = 0.0
     #: decode steps whose probabilities were taken so far (for logs and tests)
     probs_taken: int = 0
+    #: the block size of the sealed plan, and whether each step's forward is its plan alone (`attends`, by metadata)
+    block_size: int = 0
+    _attends: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -114,7 +124,7 @@ class QueryTap:
     def seal_probs(self, block_size: int) -> None:
         """Turn this step's `prob_plan` into one batch (`prob_batch`): each request's blocks as a row of one table,
         a shorter row padded with its first block (`table_key_probs`), before the forward."""
-        self.probs, self.prob_index = None, {}
+        self.probs, self.prob_index, self.block_size, self._attends = None, {}, block_size, {}
         if not self.prob_plan:
             self.prob_batch = None
             return
@@ -129,20 +139,48 @@ class QueryTap:
         lengths = torch.tensor([stored for _, stored in index.values()])
         self.prob_batch, self.prob_index = (torch.tensor(rows), torch.tensor(table), lengths), index
 
-    def step_probs(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+    def attends(self, metadata: Any) -> bool:
+        """True when the step's forward (its attention `metadata`) is exactly this step's planned decode steps: each
+        of its query rows one request's decode step over the entries and blocks planned (`prob_batch`), and the
+        kernel's `attention_fn` is there. Then the backend computes the attention with the probabilities
+        (`step_probs(with_attention=True)`) instead of vLLM's pass and a second one over the same keys."""
+        if self.attention_fn is None or self.prob_batch is None or metadata is None:
+            return False
+        key = id(metadata)
+        if key not in self._attends:  # once a step (every layer shares the step's metadata)
+            rows, table, stored = self.prob_batch
+            n = rows.shape[0]
+            ok = (metadata.num_actual_tokens == n and metadata.max_query_len == 1
+                  and torch.equal(metadata.seq_lens[rows].long(), stored)
+                  and torch.equal(metadata.query_start_loc[:n + 1].long(), torch.arange(n + 1)))
+            if ok:  # the planned blocks are the ones vLLM's attention would read
+                used = torch.arange(table.shape[1]) < (-(-stored // self.block_size))[:, None]
+                ok = torch.equal(metadata.block_table[rows, :table.shape[1]].long()[used], table[used])
+            self._attends = {key: ok}
+        return self._attends[key]
+
+    def step_probs(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                   with_attention: bool = False) -> torch.Tensor | None:
         """Compute layer `layer_name`'s probabilities of this step's planned decode steps from its `query`
         `(num_tokens, q_heads, head_dim)`, its cache and its softmax `scale`, right after its attention (the step's
-        keys were written before it)."""
+        keys were written before it); `with_attention` (`attends`): instead of vLLM's attention, and the layer's
+        attention output `(R, q_heads, head_dim)` of the planned rows is returned too."""
         start = time.perf_counter()
         rows, table, stored = self.prob_batch
         q = query.index_select(0, rows).to(kv_cache.dtype)
-        probs = (self.probs_fn or torch_key_probs(self.layout))(kv_cache, table, q, stored, scale)
+        out = None
+        if with_attention:
+            probs, out = self.attention_fn(kv_cache, table, q, stored, scale)
+            self.attended += 1
+        else:
+            probs = (self.probs_fn or torch_key_probs(self.layout))(kv_cache, table, q, stored, scale)
         if self.probs is None:  # request-major: a batch of the step's requests is a view (`take_prob_rows`)
             self.probs = probs.new_empty((probs.shape[0], len(self.layers), *probs.shape[1:]))
             self.prob_queries = q.new_empty((q.shape[0], len(self.layers), *q.shape[1:]))
         idx = self.layers[layer_name]
         self.probs[:, idx], self.prob_queries[:, idx] = probs, q
         self.seconds += time.perf_counter() - start
+        return out
 
     def take_probs(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request `req_id`'s decode step probabilities of this step, per layer `(layers, q_heads, 1, stored)` in slot
@@ -217,16 +255,31 @@ class QueryTap:
 
 class TrimCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention impl; before its forward, the rows the layer's `QueryTap` lists are copied; after it,
-    the probabilities of the step's planned decode steps are computed (`QueryTap.step_probs`)."""
+    the probabilities of the step's planned decode steps are computed (`QueryTap.step_probs`). When the step's forward
+    is those decode steps alone (`QueryTap.attends`: the steady state of a load of TOVA, H2O or LazyEviction
+    requests), kvtrim's kernel computes the layer's attention with them, in one pass over each request's keys and
+    values, and vLLM's attention does not run: its output is the probabilities (rounded to the cache's dtype) times
+    the values, as kvtrim's attention function computes it in transformers (vLLM's own differs by its rounding)."""
 
-    def forward(self, layer, query, key, value, kv_cache, *args, **kwargs):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         tap = getattr(layer, TAP_ATTR, None)
         if tap is not None and tap.active:
             tap.capture(layer.layer_name, query)
-        out = super().forward(layer, query, key, value, kv_cache, *args, **kwargs)
+        if tap is not None and self._plain_decoder() and tap.attends(attn_metadata):
+            # every query row a planned decode step: the probabilities and the attention in one pass over the keys
+            attention = tap.step_probs(layer.layer_name, query, kv_cache, self.scale, with_attention=True)
+            output.index_copy_(0, tap.prob_batch[0], attention.view(-1, *output.shape[1:]))
+            return output
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if tap is not None and tap.prob_batch is not None:  # while the layer's keys are fresh in the CPU's caches
             tap.step_probs(layer.layer_name, query, kv_cache, self.scale)
         return out
+
+    def _plain_decoder(self) -> bool:
+        """A decoder layer's attention with nothing but the softmax scale (no window, ALiBi, soft cap, sinks or
+        quantized cache): what kvtrim's kernel computes (`QueryTap.attends`)."""
+        return (self.attn_type == AttentionType.DECODER and self.sliding_window in (None, -1) and self.alibi_slopes is None
+                and not self.logits_soft_cap and self.sinks is None and self.kv_cache_dtype == "auto")
 
 
 class TrimCPUAttentionBackend(CPUAttentionBackend):

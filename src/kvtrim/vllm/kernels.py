@@ -35,10 +35,12 @@ from kvtrim.vllm import layout_amx
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -285,15 +287,47 @@ static inline void softmax_row(float* row, int64_t n) {
   for (int64_t u = 0; u < n; ++u) row[u] *= inv;
 }
 
+// out[0..d) += sum over the block's first n tokens of p[t] * value(t) (float): "vec" values (bs, d) token-major;
+// "amx" values (d / 16, bs / 2, 16, 2): [c / 16, t / 2, c % 16, t % 2], a channel's token pair one 32-bit word. Only
+// the first n tokens are read (a slot past the request's entries may hold anything)
+template <typename T>
+static inline void block_values(const T* __restrict__ values, const float* __restrict__ p, int64_t n, int64_t bs,
+                                int64_t d, bool amx, float* __restrict__ out) {
+  if (!amx) {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* __restrict__ v = values + t * d;
+      const float pt = p[t];
+      for (int64_t c = 0; c < d; ++c) out[c] += pt * as_float(v[c]);
+    }
+    return;
+  }
+  const uint32_t* __restrict__ words = reinterpret_cast<const uint32_t*>(values);
+  for (int64_t tile = 0; tile < d / 16; ++tile) {
+    float* __restrict__ o = out + tile * 16;
+    for (int64_t pair = 0; 2 * pair < n; ++pair) {
+      const uint32_t* __restrict__ w = words + (tile * (bs / 2) + pair) * 16;
+      const float p0 = p[2 * pair];
+      if (2 * pair + 1 < n) {
+        const float p1 = p[2 * pair + 1];
+        for (int64_t j = 0; j < 16; ++j) o[j] += p0 * bits_float(w[j] << 16) + p1 * bits_float(w[j] & 0xFFFF0000u);
+      } else {
+        for (int64_t j = 0; j < 16; ++j) o[j] += p0 * bits_float(w[j] << 16);
+      }
+    }
+  }
+}
+
 // probs[r, i, :lengths[r]] = softmax(T(T(logits) * scale)) in float, rounded to T (kvtrim.attention.
-// softmax_probabilities' steps); 0 past lengths[r]. One task per request and KV head: its query heads' whole rows.
+// softmax_probabilities' steps); 0 past lengths[r]. With attn (not null): attn[r, i, :] = those rounded probabilities
+// times the request's values, summed in float and rounded to T (probs @ values, as kvtrim's attention function in
+// transformers computes a layer's output from them). One task per request and KV head: its query heads' whole rows.
 template <typename T>
 static void run_probs(const T* cache, int64_t block_stride, int64_t head_stride, int64_t h, int64_t bs, int64_t d,
                       const int64_t* table, const int64_t* lengths, int64_t r_count, int64_t u_count, const T* query,
-                      int64_t q_heads, float scale, bool amx, T* out) {
+                      int64_t q_heads, float scale, bool amx, T* out, T* attn) {
   const int64_t group = q_heads / h, width = u_count * bs;
   at::parallel_for(0, r_count * h, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(d), row(width);
+    std::vector<float> q(d), row(width), acc(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv_head = item % h, r = item / h, n = lengths[r], used = (n + bs - 1) / bs;
       for (int64_t g = 0; g < group; ++g) {
@@ -307,14 +341,23 @@ static void run_probs(const T* cache, int64_t block_stride, int64_t head_stride,
         float* __restrict__ x = row.data();
         for (int64_t t = 0; t < n; ++t) x[t] = rounded<T>(rounded<T>(x[t]) * scale);
         softmax_row(x, n);
+        for (int64_t t = 0; t < n; ++t) x[t] = rounded<T>(x[t]);
         T* o = out + (r * q_heads + i) * width;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           uint16_t* __restrict__ o16 = reinterpret_cast<uint16_t*>(o);
-          for (int64_t t = 0; t < n; ++t) o16[t] = static_cast<uint16_t>(float_bits(rounded<T>(x[t])) >> 16);
+          for (int64_t t = 0; t < n; ++t) o16[t] = static_cast<uint16_t>(float_bits(x[t]) >> 16);
         } else {
           std::memcpy(o, x, n * sizeof(float));
         }
         std::fill(o + n, o + width, static_cast<T>(0.0f));
+        if (attn == nullptr) continue;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t u = 0; u < used; ++u) {  // the value half follows the key half in each (block, head) slab
+          const T* values = cache + table[r * u_count + u] * block_stride + kv_head * head_stride + bs * d;
+          block_values(values, x + u * bs, std::min(bs, n - u * bs), bs, d, amx, acc.data());
+        }
+        T* a = attn + (r * q_heads + i) * d;
+        for (int64_t c = 0; c < d; ++c) a[c] = static_cast<T>(acc[c]);
       }
     }
   });
@@ -328,8 +371,10 @@ static void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& que
   TORCH_CHECK(!amx || kv_cache.scalar_type() == at::kBFloat16, "the amx packing holds bfloat16 only");
 }
 
-torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query,
-                              torch::Tensor lengths, double scale, bool amx) {
+// the probabilities `(R, q_heads, U * bs)` and, when `with_attention`, the attention output `(R, q_heads, d)` (else
+// an empty tensor)
+std::vector<torch::Tensor> table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query,
+                                           torch::Tensor lengths, double scale, bool amx, bool with_attention) {
   check_inputs(kv_cache, query, amx);
   auto table = block_table.contiguous();
   auto lens = lengths.to(at::kLong).contiguous();
@@ -339,18 +384,20 @@ torch::Tensor table_key_probs(torch::Tensor kv_cache, torch::Tensor block_table,
   for (int64_t r = 0; r < r_count; ++r)
     TORCH_CHECK(lens.data_ptr<int64_t>()[r] >= 1 && lens.data_ptr<int64_t>()[r] <= u_count * bs, "a length past its blocks");
   auto out = torch::empty({r_count, q_heads, u_count * bs}, kv_cache.options());
+  auto attn = torch::empty({with_attention ? r_count : 0, q_heads, d}, kv_cache.options());
   const float s = static_cast<float>(scale);
   if (kv_cache.scalar_type() == at::kBFloat16) {
     run_probs(kv_cache.data_ptr<c10::BFloat16>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d,
               table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), r_count, u_count,
-              query.data_ptr<c10::BFloat16>(), q_heads, s, amx, out.data_ptr<c10::BFloat16>());
+              query.data_ptr<c10::BFloat16>(), q_heads, s, amx, out.data_ptr<c10::BFloat16>(),
+              with_attention ? attn.data_ptr<c10::BFloat16>() : nullptr);
   } else {
     TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "kv_cache: float32 or bfloat16");
     run_probs(kv_cache.data_ptr<float>(), kv_cache.stride(0), kv_cache.stride(1), h, bs, d, table.data_ptr<int64_t>(),
               lens.data_ptr<int64_t>(), r_count, u_count, query.data_ptr<float>(), q_heads, s, amx,
-              out.data_ptr<float>());
+              out.data_ptr<float>(), with_attention ? attn.data_ptr<float>() : nullptr);
   }
-  return out;
+  return {out, attn};
 }
 
 torch::Tensor table_key_logits(torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor query, bool amx) {
@@ -490,9 +537,27 @@ def table_key_probs(layout: ModuleType) -> tuple[Callable, str]:
     amx = KERNEL_LAYOUTS[layout]
 
     def kernel_probs(kv_cache, block_table, query, lengths, scale):
-        return module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx)
+        return module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx, False)[0]
 
     return kernel_probs, how
+
+
+def table_attention(layout: ModuleType) -> Callable | None:
+    """The kernel's function computing a layer's decode-step probabilities (`table_key_probs`' function) and, in the
+    same pass over each request's blocks, the attention output `(R, q_heads, head_dim)`: those probabilities (as
+    rounded to the cache's dtype) times the request's values, summed in float32, rounded to the cache's dtype (what
+    kvtrim's attention function computes in transformers); `fn(...)` -> `(probs, output)`. None where the kernel does
+    not read `layout` or did not build (the backend then runs vLLM's attention and `table_key_probs` after it)."""
+    module, _ = _kernel(layout)
+    if module is None:
+        return None
+    amx = KERNEL_LAYOUTS[layout]
+
+    def kernel_attention(kv_cache, block_table, query, lengths, scale):
+        probs, out = module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx, True)
+        return probs, out
+
+    return kernel_attention
 
 
 def torch_key_probs(layout: ModuleType) -> Callable:

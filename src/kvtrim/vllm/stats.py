@@ -16,8 +16,11 @@ class WorkerStats:
     #: compactions done and entries discarded by them
     compactions: int = 0
     evicted: int = 0
-    #: of `compaction_s`, the attention backend's probabilities of decode steps (`QueryTap.step_probs`)
+    #: of `compaction_s`, the attention backend's probabilities of decode steps (`QueryTap.step_probs`; a pass that
+    #: computed the layer's attention with them counts whole, although vLLM's attention did not run then)
     probs_s: float = 0.0
+    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities (`QueryTap.attends`)
+    attended: int = 0
     #: of the compactions, those decided in a batch with other requests' (`kvtrim.vllm.live_batch`)
     batched: int = 0
 

@@ -160,6 +160,7 @@ class TrimModelRunner(CPUModelRunner):
                                                                           self.cache_config.cache_dtype))
         self.kvtrim_tap.layout = self._kvtrim_layout
         self.kvtrim_tap.probs_fn, how = kernels.table_key_probs(self._kvtrim_layout)
+        self.kvtrim_tap.attention_fn = kernels.table_attention(self._kvtrim_layout)  # None: vLLM's attention always
         logger.info("kvtrim: decode-step probabilities of the methods fed attention by %s", how)
         if self.kv_caches:
             logger.info("kvtrim: the KV caches of the %d layers %s", len(self.kv_caches),
@@ -266,7 +267,7 @@ class TrimModelRunner(CPUModelRunner):
         due, self._kvtrim_due = self._kvtrim_due, []
         probs_s = self.kvtrim_tap.take_seconds()  # the decode steps' probabilities: eviction time
         self.kvtrim_stats.compaction_s += probs_s
-        self.kvtrim_stats.probs_s += probs_s
+        self.kvtrim_stats.probs_s, self.kvtrim_stats.attended = self.kvtrim_stats.probs_s + probs_s, self.kvtrim_tap.attended
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in self._kvtrim_batches(due):

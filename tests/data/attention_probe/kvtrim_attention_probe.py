@@ -90,7 +90,7 @@ class ProbeWorker(TrimCPUWorker):
         torch.save({"impls": {name: type(layer.impl).__name__ for name, layer in layers.items()},
                     "attention": runner.kvtrim_attention, "windows": runner.probe_windows,
                     "plans": runner.probe_plans, "steps": runner.probe_steps, "in_steps": runner.probe_in_steps,
-                    "copies": runner.kvtrim_tap.copies, "probs_taken": runner.kvtrim_tap.probs_taken, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed,
+                    "copies": runner.kvtrim_tap.copies, "probs_taken": runner.kvtrim_tap.probs_taken, "attended": runner.kvtrim_tap.attended, "kept": runner.probe_kept, "latest": runner.probe_latest, "failed": runner.probe_failed,
                     "sum_chunks": runner.probe_sum_chunks,
                     "sums_held": [runner._probe_args(r).get("probe", r) for r, state in runner.kvtrim_requests.items()
                                   if state.prompt_sums is not None]},
