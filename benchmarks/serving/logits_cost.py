@@ -11,7 +11,10 @@ logits (all layers, 20 repeats) for each function, and the largest difference be
 backend runs since 2026-12-07, the step's probabilities over each request's 513 entries (`table_key_probs`: the
 logits, scaled, softmax, in the kernel; torch's `softmax_probabilities` on the layout's logits); beside them, what
 vLLM's own decode attention over the same blocks costs (`cpu_attention_with_kv_cache`, the layout's ISA, every
-layer): the most the logits could save by being computed inside that pass.
+layer): the most the logits could save by being computed inside that pass; then vLLM's attention with the
+probabilities right after each layer's (what the worker's backend ran until 2026-12-07 15:30) against kvtrim's kernel
+computing both in one pass (`kernels.table_attention`: what it runs since when a step's forward is only such decode
+steps).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from kvtrim.vllm import kernels, layout as cpu_vec, layout_amx
 LAYERS, POOL, KV_HEADS, BLOCK, HEAD_DIM, Q_HEADS, REQUESTS, BLOCKS = 30, 56, 3, 128, 64, 9, 11, 5
 
 
-def vllm_attention(isa: str, caches, table: torch.Tensor, queries: torch.Tensor):
+def vllm_attention(isa: str, caches, table: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor, after=None):
     """vLLM's CPU decode attention (`cpu_attention_with_kv_cache`, ISA `isa`) of every layer's `queries` `(R,
-    q_heads, head_dim)` over the requests' full blocks `table` `(R, U)`, as its backend calls it; None without vLLM
-    (or, for "amx", on a CPU without AMX tiles)."""
+    q_heads, head_dim)` over the requests' first `lengths` entries in their blocks `table` `(R, U)`, as its backend
+    calls it (`after(kv, q)`, if given, right after each layer's: what kvtrim's backend ran before 2026-12-07 15:30);
+    None without vLLM (or, for "amx", on a CPU without AMX tiles)."""
     try:
         from vllm import _custom_ops as ops
     except ImportError:
@@ -38,7 +42,7 @@ def vllm_attention(isa: str, caches, table: torch.Tensor, queries: torch.Tensor)
     if isa == "amx" and not torch.cpu._init_amx():  # (vLLM's worker enables the tiles the same way)
         return None
     requests, used = table.shape
-    seq_lens = torch.full((requests,), used * BLOCK, dtype=torch.int32)
+    seq_lens = lengths.int()
     starts = torch.arange(requests + 1, dtype=torch.int32)  # one query row per request: decode steps
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=requests, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
@@ -76,7 +80,8 @@ if __name__ == "__main__":
     queries = torch.randn(LAYERS, REQUESTS, Q_HEADS, HEAD_DIM).bfloat16()
     lengths = torch.full((REQUESTS,), 4 * BLOCK + 1)  # the load's requests past a budget of 512, the step's token
     print(f"{'layout':<6} {'torch ms':>9} {'kernel ms':>9} {'max |diff|':>10} {'probs torch ms':>14} "
-          f"{'probs kernel ms':>15} {'vLLM attention ms':>17}   ({torch.get_num_threads()} threads)")
+          f"{'probs kernel ms':>15} {'vLLM attention ms':>17} {'vLLM attn + probs ms':>20} {'kernel attn+probs ms':>20}"
+          f"   ({torch.get_num_threads()} threads)")
     for name, layout in (("amx", layout_amx), ("vec", cpu_vec)):
         kernel, how = kernels.table_key_logits(layout)
         if kernel is layout.table_key_logits:
@@ -91,7 +96,12 @@ if __name__ == "__main__":
         probs_torch_ms = median_ms(lambda: [by_torch(kv, table, q, lengths, HEAD_DIM ** -0.5)
                                             for kv, q in zip(caches, queries)])
         probs_ms = median_ms(lambda: [probs(kv, table, q, lengths, HEAD_DIM ** -0.5) for kv, q in zip(caches, queries)])
-        attend = vllm_attention(name, caches, table, queries)
+        fused = kernels.table_attention(layout)
+        fused_ms = median_ms(lambda: [fused(kv, table, q, lengths, HEAD_DIM ** -0.5) for kv, q in zip(caches, queries)])
+        attend = vllm_attention(name, caches, table, queries, lengths)
+        then_probs = vllm_attention(name, caches, table, queries, lengths,
+                                    after=lambda kv, q: probs(kv, table, q, lengths, HEAD_DIM ** -0.5))
         attention = "-" if attend is None else f"{median_ms(attend):.2f}"
+        both = "-" if then_probs is None else f"{median_ms(then_probs):.2f}"
         print(f"{name:<6} {torch_ms:>9.2f} {kernel_ms:>9.2f} {diff:>10.4f} {probs_torch_ms:>14.2f} {probs_ms:>15.2f} "
-              f"{attention:>17}")
+              f"{attention:>17} {both:>20} {fused_ms:>20.2f}")
