@@ -95,8 +95,10 @@ class QueryTap:
     #: the function computing the probabilities and the layer's attention output in one pass
     #: (`kvtrim.vllm.kernels.table_attention`; set by the worker; None: vLLM's attention, then `probs_fn`)
     attention_fn: Any = None
-    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities, vLLM's not run (`attends`)
+    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities, vLLM's not run (`attends`),
+    #: and their seconds since the worker started (also in `seconds`)
     attended: int = 0
+    attended_s: float = 0.0
     #: seconds spent on the probabilities since the worker last took them (`take_seconds`: eviction time; a pass
     #: that also computed the layer's attention counts whole)
     seconds: float = 0.0
@@ -179,7 +181,9 @@ class QueryTap:
             self.prob_queries = q.new_empty((q.shape[0], len(self.layers), *q.shape[1:]))
         idx = self.layers[layer_name]
         self.probs[:, idx], self.prob_queries[:, idx] = probs, q
-        self.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        self.attended_s += elapsed if with_attention else 0.0
         return out
 
     def take_probs(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:

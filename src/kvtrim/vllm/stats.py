@@ -19,8 +19,10 @@ class WorkerStats:
     #: of `compaction_s`, the attention backend's probabilities of decode steps (`QueryTap.step_probs`; a pass that
     #: computed the layer's attention with them counts whole, although vLLM's attention did not run then)
     probs_s: float = 0.0
-    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities (`QueryTap.attends`)
+    #: layers' forwards whose attention kvtrim's kernel computed with the probabilities (`QueryTap.attends`), and
+    #: their seconds (in `probs_s`: an upper bound of what eviction cost there, the attention itself included)
     attended: int = 0
+    attended_s: float = 0.0
     #: of the compactions, those decided in a batch with other requests' (`kvtrim.vllm.live_batch`)
     batched: int = 0
 

@@ -267,7 +267,8 @@ class TrimModelRunner(CPUModelRunner):
         due, self._kvtrim_due = self._kvtrim_due, []
         probs_s = self.kvtrim_tap.take_seconds()  # the decode steps' probabilities: eviction time
         self.kvtrim_stats.compaction_s += probs_s
-        self.kvtrim_stats.probs_s, self.kvtrim_stats.attended = self.kvtrim_stats.probs_s + probs_s, self.kvtrim_tap.attended
+        stats, tap = self.kvtrim_stats, self.kvtrim_tap
+        stats.probs_s, stats.attended, stats.attended_s = stats.probs_s + probs_s, tap.attended, tap.attended_s
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
             self._kvtrim_add_prompt_sums(req_id, computed, rows)
         for req_id, plan, end in self._kvtrim_batches(due):
