@@ -325,7 +325,7 @@ def check_decode_runs(engine, hf_tova, tmp_path, runs, specs):
                                  extra_args={"probe": n, "kvtrim": spec}) for n, _, spec, _ in items]
         outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         r = report(llm, tmp_path)
-        # every decode step's probabilities came from the logits kvtrim's attention backend computed for it
+        # every decode step's probabilities came from kvtrim's attention backend
         fed = sum(spec.split(":")[0] in ("tova", "h2o", "lazyeviction") for _, _, spec, _ in items)
         assert r["probs_taken"] - taken == fed * (TOVA_TOKENS - 1)
         if len(items) == fed == 1:  # its decode steps alone in their forwards: their attention from kvtrim's kernel,

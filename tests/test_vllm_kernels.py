@@ -15,14 +15,16 @@ from test_vllm_layout import kernel_write  # noqa: E402
 NB, H, BS, D, Q_HEADS = 9, 3, 32, 64, 9
 
 
-def filled(cache, keys, values, isa):
-    """`keys`, `values` `(n, h, d)` in the first n slots of `cache`: vLLM's write kernel `isa`, or kvtrim's packing
-    for "amx" on a CPU without AMX tiles."""
-    if isa != "amx" or torch.cpu._is_amx_tile_supported():
-        return kernel_write(cache, keys, values, torch.arange(keys.shape[0]), isa)
+def filled(cache, keys, values, isa, blocks=None, slots=None):
+    """`keys`, `values` `(n, h, d)` in a request's slots `slots` (default its first n) of its blocks `blocks` (default
+    the whole cache, in order): vLLM's write kernel `isa`, or kvtrim's packing for "amx" on a CPU without AMX tiles."""
     n, h, d = keys.shape
-    layout_amx.write_entries(cache, torch.arange(cache.shape[0]), torch.arange(h).repeat(n),
-                             torch.arange(n).repeat_interleave(h), keys.reshape(n * h, d), values.reshape(n * h, d))
+    blocks = torch.arange(cache.shape[0]) if blocks is None else blocks
+    slots = torch.arange(n) if slots is None else slots
+    if isa != "amx" or torch.cpu._is_amx_tile_supported():
+        return kernel_write(cache, keys, values, blocks[slots // BS] * BS + slots % BS, isa)
+    layout_amx.write_entries(cache, blocks, torch.arange(h).repeat(n), slots.repeat_interleave(h),
+                             keys.reshape(n * h, d), values.reshape(n * h, d))
 
 
 @pytest.mark.parametrize("layout,isa", [(cpu_vec, "vec"), (layout_amx, "amx")])
@@ -156,11 +158,7 @@ def test_the_kernels_attention_is_its_probabilities_times_the_values(layout, isa
         past = torch.arange(length, -(-length // BS) * BS)
         if past.numel():
             garbage = torch.full((past.numel(), H, D), float("inf")).to(dtype)
-            if isa == "amx" and not torch.cpu._is_amx_tile_supported():
-                layout_amx.write_entries(cache, table[r], torch.arange(H).repeat(past.numel()),
-                                         past.repeat_interleave(H), garbage.reshape(-1, D), garbage.reshape(-1, D))
-            else:
-                kernel_write(cache, garbage, garbage, table[r][past // BS] * BS + past % BS, isa)
+            filled(cache, garbage, garbage, isa, blocks=table[r], slots=past)
     probs, out = fn(cache, table, query, lengths, D ** -0.5)
     assert torch.equal(probs, clean_probs) and torch.equal(out, clean)
     probs_fn, _ = kernels.table_key_probs(layout)

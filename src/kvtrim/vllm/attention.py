@@ -104,9 +104,10 @@ class QueryTap:
     seconds: float = 0.0
     #: decode steps whose probabilities were taken so far (for logs and tests)
     probs_taken: int = 0
-    #: the block size of the sealed plan, and whether each step's forward is its plan alone (`attends`, by metadata)
+    #: the block size of the sealed plan, and `(the step's attention metadata, whether its forward is the plan alone)`
+    #: once `attends` has looked (the metadata held, compared by identity)
     block_size: int = 0
-    _attends: dict = field(default_factory=dict)
+    _attends: tuple | None = None
 
     @property
     def active(self) -> bool:
@@ -126,7 +127,7 @@ class QueryTap:
     def seal_probs(self, block_size: int) -> None:
         """Turn this step's `prob_plan` into one batch (`prob_batch`): each request's blocks as a row of one table,
         a shorter row padded with its first block (`table_key_probs`), before the forward."""
-        self.probs, self.prob_index, self.block_size, self._attends = None, {}, block_size, {}
+        self.probs, self.prob_index, self.block_size, self._attends = None, {}, block_size, None
         if not self.prob_plan:
             self.prob_batch = None
             return
@@ -148,8 +149,7 @@ class QueryTap:
         (`step_probs(with_attention=True)`) instead of vLLM's pass and a second one over the same keys."""
         if self.attention_fn is None or self.prob_batch is None or metadata is None:
             return False
-        key = id(metadata)
-        if key not in self._attends:  # once a step (every layer shares the step's metadata)
+        if self._attends is None or self._attends[0] is not metadata:  # once a step (its layers share the metadata)
             rows, table, stored = self.prob_batch
             n = rows.shape[0]
             ok = (metadata.num_actual_tokens == n and metadata.max_query_len == 1
@@ -158,8 +158,8 @@ class QueryTap:
             if ok:  # the planned blocks are the ones vLLM's attention would read
                 used = torch.arange(table.shape[1]) < (-(-stored // self.block_size))[:, None]
                 ok = torch.equal(metadata.block_table[rows, :table.shape[1]].long()[used], table[used])
-            self._attends = {key: ok}
-        return self._attends[key]
+            self._attends = (metadata, ok)
+        return self._attends[1]
 
     def step_probs(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                    with_attention: bool = False) -> torch.Tensor | None:

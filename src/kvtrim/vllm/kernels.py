@@ -1,16 +1,20 @@
 """kvtrim's own CPU kernel for the decode steps' logits of the methods fed attention (TOVA, H2O, LazyEviction):
 `QK^T` of each request's query over its blocks, read where they lie in vLLM's paged cache (no gather of the
 request's blocks into a copy, which the torch functions of `kvtrim.vllm.layout` / `layout_amx` need and which
-costs the most of a step's logits), every request and KV head of a layer in one parallel loop.
+costs the most of a step's logits), every request and KV head of a layer in one parallel loop; with the logits'
+softmax and, when the backend replaces vLLM's attention for a step (`table_attention`), the attention output from the
+request's values in the same pass.
 
 The kernel is C++ built once per machine and Python environment through PyTorch's extension point
 (`torch.utils.cpp_extension.load_inline`, cached by PyTorch, ~30 s the first time: a compiler is what vLLM's CPU build
-needs too; `build`: one process at a time, a killed build's lock removed; `load`: at most `BUILD_TIMEOUT_S`). It reads the key halves of
-vLLM's CPU kernels "vec"/"vec16" (keys channel-major per block) and "amx" (packed in channel pairs per 16 tokens), in
+needs too; `build`: one process at a time, a killed build's lock removed; `load`: at most `BUILD_TIMEOUT_S`). It reads the blocks of
+vLLM's CPU kernels "vec"/"vec16" (keys channel-major per block, values token-major) and "amx" (keys packed in channel
+pairs per 16 tokens, values in token pairs per 16 channels), with AVX-512 or AVX2 paths where the CPU has them, in
 float32 or bfloat16, accumulates in float32 and rounds to the cache's dtype, as the torch functions' product does.
 `table_key_probs(layout)` gives the function the worker's attention backend calls (`QueryTap.step_probs`: the
 logits, scaled, their softmax): the kernel's, or torch's when the kernel does not build (the worker logs which,
-once); `table_key_logits(layout)` the logits alone (benchmarks/serving/logits_cost.py, tests).
+once); `table_attention(layout)` the probabilities with the attention output (the kernel's only);
+`table_key_logits(layout)` the logits alone (benchmarks/serving/logits_cost.py, tests).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ static inline void block_logits(const T* __restrict__ keys, const float* __restr
     }
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-    if (bs % 8 == 0) {  // 64 tokens at a time in 8 registers (8 when fewer are left), every channel added in
+    if (bs % 8 == 0) {  // 64 tokens at a time in 8 registers (8 tokens in one when fewer are left), every channel added in
       for (int64_t t0 = 0; t0 < bs;) {
         const int64_t n = bs - t0 >= 64 ? 8 : 1;
         __m256 a[8];
@@ -554,8 +558,7 @@ def table_attention(layout: ModuleType) -> Callable | None:
     amx = KERNEL_LAYOUTS[layout]
 
     def kernel_attention(kv_cache, block_table, query, lengths, scale):
-        probs, out = module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx, True)
-        return probs, out
+        return tuple(module.table_key_probs(kv_cache, block_table, query.contiguous(), lengths, scale, amx, True))
 
     return kernel_attention
 
