@@ -88,9 +88,9 @@ def run(spec: str, steps: int, probs_fn) -> tuple[float, float, bool]:
     for _ in range(steps):
         tap, due, inputs = QueryTap(), [], []
         for req_id, req, blocks, counts in requests:
-            end = req.entries.seen + 1
+            end, before = req.entries.seen + 1, counts.discarded
             counts.advance(forward_steps(end - 1, end, req.prompt_tokens))
-            stored = end - counts.discarded + 1  # before the step's eviction
+            stored = end - before  # before the step's eviction (LazyEviction's steps between evictions discard none)
             entry = torch.randn(2, LAYERS, KV_HEADS, HEAD_DIM).bfloat16()
             for kv, twin, k, v in zip(caches, twin_caches, *entry):  # the step's entry where the engine writes it
                 for pool in (kv, twin):

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
                    help=f"vLLM's --max-model-len of every server (default {MAX_MODEL_LEN})")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="vLLM's --dtype of every server (default bfloat16; float32 on a CPU without native bfloat16, "
+                        "where torch emulates bfloat16 matrix products)")
     p.add_argument("--seed", type=int, default=0, help="passkey keys and vLLM's --seed (default 0)")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between /metrics polls (default 0.5)")
     p.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json "
@@ -121,7 +124,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def vllm_flags(args) -> list[str]:
     return ["--num-gpu-blocks-override", str(args.blocks), "--max-num-seqs", str(args.max_num_seqs),
-            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
+            "--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len), "--seed", str(args.seed),
             *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size > 1 else [])]
 
 
@@ -155,6 +158,12 @@ def machine() -> dict:
             "transformers": version("transformers"), "openai": version("openai"),
             "kvtrim_commit": git("rev-parse", "HEAD"), "kvtrim_dirty": bool(git("status", "--porcelain", "--", "src")),
             "loadavg_start": list(os.getloadavg())}
+
+
+def _dtype(config: dict) -> str:
+    """The servers' dtype as their flags said it (results from before `--dtype`: bfloat16)."""
+    flags = config.get("vllm_flags", [])
+    return flags[flags.index("--dtype") + 1] if "--dtype" in flags else "bfloat16"
 
 
 def _commits_line(runs: list[dict]) -> list[str]:
@@ -225,7 +234,7 @@ def write(out: pathlib.Path, data: dict) -> None:
     lines = ["# Serving benchmark: plain vLLM vs `kvtrim serve`\n",
              f"{c['model']}, {c['requests']} concurrent requests of {c['prompt_tokens_measured']['mean']:.0f} prompt "
              f"tokens (passkey) + {c['max_tokens']} output tokens each, {c['blocks']} KV blocks, --max-num-seqs "
-             f"{c['max_num_seqs']}; {m['cpu_count']} CPUs, torch {m['torch']}, vllm {m['vllm']}, kvtrim "
+             f"{c['max_num_seqs']}, {_dtype(c)}; {m['cpu_count']} CPUs, torch {m['torch']}, vllm {m['vllm']}, kvtrim "
              f"{(m['kvtrim_commit'] or '?')[:10]}{' (dirty)' if m['kvtrim_dirty'] else ''}; {data['started']}; "
              f"1-minute load average {m['loadavg_start'][0]:.2f} at the start, "
              f"{m.get('loadavg_end', m['loadavg_start'])[0]:.2f} at the end.\n",
