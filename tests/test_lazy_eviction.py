@@ -66,6 +66,26 @@ def test_gqa_modes_on_hand_made_attention():
         assert layer.state.ts[0].tolist() == ts, gqa
 
 
+@pytest.mark.parametrize("gqa", ["max", "mean", "per_query_head"])
+def test_activity_in_bfloat16_is_the_float32_rule(gqa):
+    """bfloat16 probabilities (the engine's) are active by the float32 rule in every mode: compared with alpha in
+    float32 (alpha = 0.0102 rounds down to 0.010193 in bfloat16, which would make that value active) and a group's
+    mean taken in float32 (0.010193, 0.010193, 0.010254: 0.0102134 in float32, 0.010193 in bfloat16)."""
+    from kvtrim.methods.lazy_eviction import activity
+
+    torch.manual_seed(5)
+    near = torch.tensor([0.0101, 0.010193, 0.010254, 0.0103, 0.5, 0.0]).bfloat16()
+    probs = near[torch.randint(0, 4, (2, 9, 40))]  # (batch, q_heads, n): 3 KV heads of 3 query heads
+    probs[0, :3, 0] = near[torch.tensor([1, 1, 2])]
+    a = probs.float()
+    g = a.view(2, 3, 3, 40)
+    want = {"max": g.amax(dim=2) >= 0.0102, "mean": g.mean(dim=2) >= 0.0102, "per_query_head": a >= 0.0102}[gqa]
+    got = activity(probs, 3, 0.0102, gqa)
+    assert want.any() and not want.all()
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    assert torch.equal(activity(probs[:, :, ::2], 3, 0.0102, gqa), want[:, :, ::2])  # a strided view too
+
+
 def test_counters_stay_exact_past_fp16_range():
     layer = prompt_layer(kvtrim.LazyEviction(budget=6, window=3, alpha=0.01))
     for _ in range(2101):

@@ -168,6 +168,31 @@ def test_fill_holes_moves_only_kept_entries_past_the_kept_count():
         assert moves == want
 
 
+@pytest.mark.parametrize("one_allocation", [False, True])
+def test_move_layers_into_puts_each_rows_entries_in_the_order_given(one_allocation):
+    """Slow reference: per layer and KV head, slot `j` afterwards holds what slot `order[j]` held before (slots
+    both source and target included: kept entries shifted down over evicted ones, and a reversal); the slots
+    past the kept count and the other KV heads' entries are untouched."""
+    from kvtrim.vllm.block_io import move_layers_into
+
+    blocks, n, n_layers = torch.tensor([5, 2, 8]), 2 * BS + 9, 2
+    caches, _ = request_caches(blocks, n, n_layers, torch.float32, seed=12, one_allocation=one_allocation)
+    before = [read_request(kv, blocks, n) for kv in caches]
+    torch.manual_seed(13)
+    n_keep = n - 11
+    order = torch.stack([torch.randperm(n)[:n_keep].sort().values for _ in range(n_layers * H)]).view(n_layers, H, n_keep)
+    order[1, 2] = order[1, 2].flip(0)  # not ascending: entries change places
+    order[0, 1] = torch.arange(n_keep)  # nothing moves
+    move_layers_into(cpu_vec, caches, blocks, order)
+    for layer, kv in enumerate(caches):
+        got, (keys, values) = read_request(kv, blocks, n), before[layer]
+        for head in range(H):
+            want_k, want_v = keys[head].clone(), values[head].clone()
+            for j in range(n_keep):
+                want_k[j], want_v[j] = keys[head, order[layer, head, j]], values[head, order[layer, head, j]]
+            assert torch.equal(got[0][head], want_k) and torch.equal(got[1][head], want_v), (layer, head)
+
+
 def test_a_streaming_decode_step_leaves_a_hole_the_next_token_fills():
     """StreamingLLM over budget evicts one entry a step, the same slot in every layer and KV head: the compaction
     moves nothing and leaves that slot as a hole, where the next token is written (`fill_hole`)."""

@@ -61,11 +61,11 @@ def activity(attention: torch.Tensor, kv_heads: int, alpha: float, gqa: str) -> 
     Returns:
         bool `(batch, kv_heads, n)` ("max", "mean") or `(batch, q_heads, n)` ("per_query_head").
     """
-    a = attention.float()
     if gqa == "per_query_head":
-        return a >= alpha
-    g = grouped(a, kv_heads)
-    return (g.amax(dim=2) if gqa == "max" else g.mean(dim=2)) >= alpha
+        return attention.float() >= alpha
+    if gqa == "max":  # a max is exact in any dtype: converted after it (a group's share of the elements)
+        return grouped(attention, kv_heads).amax(dim=2).float() >= alpha
+    return grouped(attention.float(), kv_heads).mean(dim=2) >= alpha
 
 
 def track(ts: torch.Tensor, mri: torch.Tensor, active: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -137,6 +137,19 @@ def move_layers_entries(layout: BlockLayout, kv_caches: list[torch.Tensor], bloc
     return order.view(n_layers, h, n_keep)
 
 
+def move_layers_into(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: torch.Tensor,
+                     order: torch.Tensor) -> None:
+    """Put each layer's and KV head's kept entries in the order `order` `(layers, kv_heads, n_keep)` says: afterwards
+    slot `j` holds the entry that was at slot `order[..., j]` (distinct per row); only the entries whose slot
+    changes are copied, inside the pool (`move_slots`: every source is read before any slot is written, so a slot
+    may be both)."""
+    n_layers, h, n_keep = order.shape
+    flat = order.reshape(n_layers * h, n_keep)
+    rows, to_slots = (flat != torch.arange(n_keep)).nonzero(as_tuple=True)  # rows in layer order
+    if rows.numel():
+        move_slots(layout, kv_caches, block_ids, rows // h, rows % h, flat[rows, to_slots], to_slots)
+
+
 def move_slots(layout: BlockLayout, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, layers: torch.Tensor,
                heads: torch.Tensor, from_slots: torch.Tensor, to_slots: torch.Tensor) -> None:
     """Copy the entry of KV head `heads[i]` of layer `layers[i]` (ascending) at the request's slot `from_slots[i]`

@@ -8,7 +8,10 @@ step (`kvtrim.vllm.compact` hands each such step to it):
   which the step's token (in the last slot) then fills, in the blocks and in the layer alike (`move_slots`,
   `TrimLayer.fill_free_slots_from_last`): one entry moved per layer and KV head, nothing sorted.
 * `LiveDecode` (any other: LazyEviction, which evicts many entries every `window` steps): the layer in position
-  order, its slots mapped to the blocks' (`slot_positions`, `by_position`).
+  order; each eviction also puts the blocks' kept entries in position order (`move_layers_into`), so that between
+  evictions, the new entries appended last, slot order is position order and the step's probabilities go to the
+  method as they come (before the first eviction of a request whose slots were in another order, they are
+  gathered into position order, `by_position`).
 
 The worker decides the steps of several requests of one method as one batch of either kind
 (`kvtrim.vllm.live_batch`).
@@ -25,7 +28,7 @@ from kvtrim.attention import softmax_probabilities
 from kvtrim.cache import TrimCache, TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
 from kvtrim.vllm import layout as cpu_vec
-from kvtrim.vllm.block_io import move_layers_entries, move_slots
+from kvtrim.vllm.block_io import move_layers_entries, move_layers_into, move_slots
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import hand_over, kept_slots
 
@@ -36,11 +39,12 @@ class LiveDecode:
     (`attention_only_decode`: TOVA, H2O, LazyEviction): one `TrimLayer` whose batch rows are the request's layers,
     on stand-in keys in position order, with the method's state; it takes each decode step as transformers feeds
     it one (`live_decode_step`), so nothing is resumed per step. `slot_positions` `(layers, h, stored)`: the
-    positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`."""
+    positions held in the request's slots after its last step; `by_position`: its `argsort(dim=-1)`, None when the
+    slots are in position order (always after an eviction: module docstring)."""
 
     cache: TrimCache
     slot_positions: torch.Tensor
-    by_position: torch.Tensor
+    by_position: torch.Tensor | None
 
     @property
     def layer(self) -> TrimLayer:
@@ -56,12 +60,13 @@ class LiveDecode:
     def resumed(cls, method: EvictionMethod, slot_positions: torch.Tensor, state: Any, told: int,
                 prompt_tokens: int) -> LiveDecode:
         """The layer resumed from the request's slot positions `(layers, h, stored)` and state after `told` tokens."""
-        by_position = slot_positions.argsort(dim=-1)
+        in_order = bool((slot_positions[..., 1:] > slot_positions[..., :-1]).all())
+        by_position = None if in_order else slot_positions.argsort(dim=-1)
         cache = TrimCache(method, in_place_decode=False)
         layer = TrimLayer(method, 0, owner=cache, in_place_decode=False)
         cache.layers.append(layer)
         stand_in = torch.zeros(1, 1, 1, 1).expand(*slot_positions.shape, 1)
-        layer.resume(stand_in, stand_in, slot_positions.gather(-1, by_position), told,
+        layer.resume(stand_in, stand_in, slot_positions if in_order else slot_positions.gather(-1, by_position), told,
                      prompt_tokens if told >= prompt_tokens else None, layer.state if state is None else state)
         return cls(cache, slot_positions, by_position)
 
@@ -94,41 +99,44 @@ def live_decode_step(kv_caches, block_ids, live: LiveDecode, last: list[torch.Te
                       layout: BlockLayout = cpu_vec, probs: torch.Tensor | None = None) -> tuple[int, LiveDecode]:
     """One decode step of a request on its `live` layer, every layer as one batch: the probabilities of each
     layer's query `last` `(q_heads, 1, head_dim)` (`step_probabilities`: only keys read, or none) go to the method
-    (`decided_decode_step`); only the entries that move are copied, in the pool (`move_layers_entries`). Returns the
+    (`decided_decode_step`); only the entries that move are copied, in the pool (`move_layers_into`). Returns the
     kept count and the live layer after the step."""
     query = (last if isinstance(last, torch.Tensor) else torch.stack(last)).to(kv_caches[0].dtype)  # (layers, q_heads, 1, d)
     probs = step_probabilities(kv_caches, block_ids, live.slot_positions.shape[-1] + 1, query, scale, layout, probs)
     return decided_decode_step(live, probs, query, scale,
-                               lambda kept, n_keep: move_layers_entries(layout, kv_caches, block_ids, kept, n_keep))
+                               lambda order: move_layers_into(layout, kv_caches, block_ids, order))
 
 
 def decided_decode_step(live: LiveDecode, probs: torch.Tensor, query: torch.Tensor, scale: float,
-                        move: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[int, LiveDecode]:
+                        move: Callable[[torch.Tensor], None]) -> tuple[int, LiveDecode]:
     """The method's decode step on `live`'s rows `(rows, h, stored)`: the step's `probs` `(rows, q_heads, 1, stored +
     1)` in slot order (the step's token in the last slot) and `query` `(rows, q_heads, 1, head_dim)`; the method gets
-    them in position order (`hand_over`). When it evicts, `move(kept, n_keep)` moves the kept entries of every row
-    `kept` `(rows, h, stored + 1)` into its first `n_keep` slots in the pool and returns their old slots in the new
-    order `(rows, h, n_keep)` (`move_layers_entries`' order). Returns the kept count and the live layer after."""
+    them in position order (`hand_over`). When it evicts, `move(order)` puts the kept entries of every row in the
+    pool in position order: slot `j` takes the entry at slot `order[..., j]` (`order` `(rows, h, n_keep)`,
+    `move_layers_into`). Returns the kept count and the live layer after."""
     rows, h, old = live.slot_positions.shape
     told = live.layer.seen
     slot_positions = torch.cat([live.slot_positions, torch.full((rows, h, 1), told)], dim=-1)
-    by_position = torch.cat([live.by_position, torch.full((rows, h, 1), old)], dim=-1)  # the newest, last
-    # each query head reads its KV head's entries: in position order, that head's own order
-    group = probs.shape[1] // h
-    in_order = probs[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
+    by_position = live.by_position
+    if by_position is None:  # the slots in position order, the step's token last: the probabilities as they come
+        in_order = probs
+    else:  # each query head reads its KV head's entries: in position order, that head's own order
+        by_position = torch.cat([by_position, torch.full((rows, h, 1), old)], dim=-1)  # the newest, last
+        group = probs.shape[1] // h
+        in_order = probs[:, :, 0].unflatten(1, (h, group)).gather(-1, by_position[:, :, None].expand(-1, -1, group, -1))
+        in_order = in_order.view(rows, h * group, 1, old + 1)
     stand_in = torch.zeros(1, 1, 1, 1).expand(rows, h, 1, 1)
     with live.cache.phase(Phase.DECODE):
         full = live.cache.update(stand_in, stand_in, 0)
-    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, in_order.view(rows, h * group, 1, old + 1))
+    hand_over(live.layer, Phase.DECODE, 1, full, None, query, scale, in_order)
     if live.layer.stored == old + 1:  # nothing evicted (LazyEviction between its evictions, H2O within budget)
         return old + 1, LiveDecode(live.cache, slot_positions, by_position)
     kept, n_keep = kept_slots(live.layer, slot_positions)
-    order = move(kept, n_keep)  # nothing read: copied inside the pool
-    # the kept entries' slots in position order, without a sort: their old slots in position order, renumbered
-    # (new slot j holds old slot `order[j]`)
-    old_slots = by_position.masked_select(kept.gather(-1, by_position)).view(rows, h, n_keep)
-    renumbered = torch.empty_like(by_position).scatter_(-1, order, torch.arange(n_keep).expand(rows, h, n_keep))
-    return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), renumbered.gather(-1, old_slots))
+    # the kept entries' old slots in position order (ascending slots when those are in position order)
+    order = (kept.nonzero()[:, -1] if by_position is None
+             else by_position.masked_select(kept.gather(-1, by_position))).view(rows, h, n_keep)
+    move(order)  # nothing read: copied inside the pool
+    return n_keep, LiveDecode(live.cache, slot_positions.gather(-1, order), None)
 
 
 @dataclass

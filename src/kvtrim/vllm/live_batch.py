@@ -10,7 +10,7 @@ request-major (request `r`'s layer `l` is row `r * layers + l`): the step's prob
 attention backend computed them) go through one run of the method's rule. A method that evicts in place (TOVA, H2O:
 `LiveInPlace`, in the blocks' slot order) then has one set of moves (`move_table_slots`, each request in its own
 blocks) and one refill of the freed slots; LazyEviction (`LiveDecode`) moves nothing between its evictions and,
-every `window` steps, each member's kept entries in its own blocks.
+every `window` steps, each member's kept entries in its own blocks (into position order).
 
 Rows of different requests share the layer's count of tokens seen, so each request's positions are rebased by a
 shift (`shifts`: its newest token is at the layer's `seen - 1`): rules relative to `seen` (H2O's recent window)
@@ -28,7 +28,7 @@ import torch
 
 from kvtrim.cache import TrimLayer
 from kvtrim.methods.base import EvictionMethod, Phase, check
-from kvtrim.vllm.block_io import move_layers_entries, move_table_slots
+from kvtrim.vllm.block_io import move_layers_into, move_table_slots
 from kvtrim.vllm.block_layout import BlockLayout
 from kvtrim.vllm.decide import hand_over
 from kvtrim.vllm.entries import RequestEntries
@@ -193,9 +193,9 @@ def batch_live_step(kv_caches: list[torch.Tensor], block_ids: list[torch.Tensor]
     `decided_decode_step` on the batch's rows), `probs` and `queries` as `batch_decode_step`'s; when the method
     evicts (LazyEviction, every `window` steps), each member's kept entries move in its own blocks `block_ids`."""
 
-    def move(kept: torch.Tensor, n_keep: int) -> torch.Tensor:
-        return torch.cat([move_layers_entries(layout, kv_caches, blocks, kept.index_select(0, batch.rows(i)), n_keep)
-                          for i, blocks in enumerate(block_ids)])
+    def move(order: torch.Tensor) -> None:
+        for i, blocks in enumerate(block_ids):
+            move_layers_into(layout, kv_caches, blocks, order.index_select(0, batch.rows(i)))
 
     _, batch.live = decided_decode_step(batch.live, probs, queries, scale, move)
 
