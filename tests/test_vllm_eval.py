@@ -37,7 +37,7 @@ def _eval(out: pathlib.Path, *flags: str) -> list[dict]:
 
 @pytest.mark.skipif(not os.path.exists(PLAIN), reason=f"needs kvtrim's own environment at {PLAIN} (make setup)")
 def test_server_answers_equal_the_in_process_answers(tmp_path):
-    server = Server(method="full", extra=["--dtype", "float32"])  # the last --dtype wins over SERVER_FLAGS' bf16
+    server = Server(method="full", extra=["--dtype", "float32"])  # the last --dtype wins over SERVER_FLAGS'
     try:
         served = _eval(tmp_path / "server", "--server", server.url)
     finally:
