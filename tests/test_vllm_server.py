@@ -116,12 +116,12 @@ def test_passkey_at_half_the_cache(server, prompts, spec):
     assert sum(a and not b for a, b in zip(found_full, found)) <= 1, (full, evicted)
 
 
-#: passkeys found by the same method through `model.generate(ids, cache=TrimCache(method))` in transformers on
-#: these 10 prompts (40 greedy tokens; the full cache finds 10/10), per the servers' dtype: in bf16 LagKV's
-#: reference mode at L = 32 loses two needles there too (measured 2026-12-04 with the script in the test's
-#: docstring). KeyDiff reads its prompt in blocks of 16 in the engine since 2026-12-05: `kvtrim.generate` (the
-#: prompt in those blocks) finds 10/10 too. Float32 (tests/data/passkey_found.py, 2026-12-07): the full cache and
-#: KeyDiff 10/10, LagKV 9/10
+#: passkeys found by the same method in transformers on these 10 prompts (40 greedy tokens; the full cache finds
+#: 10/10), per the servers' dtype. bf16: `model.generate(tok(prompt).input_ids, cache=TrimCache(method),
+#: max_new_tokens=40, min_new_tokens=40)` on `load_model("smollm2-135m", dtype="bfloat16")`, where LagKV's reference
+#: mode at L = 32 loses two needles too (2026-12-04); KeyDiff reads its prompt in blocks of 16 in the engine since
+#: 2026-12-05, and `kvtrim.generate` (the prompt in those blocks) finds 10/10 too. Float32: `kvtrim.generate` for
+#: all (tests/data/passkey_found.py, 2026-12-07): the full cache and KeyDiff 10/10, LagKV 9/10
 FOUND_IN_TRANSFORMERS = {"bfloat16": {"lagkv:lag_size=32": 8, "keydiff:budget=450:block_size=16": 10},
                          "float32": {"lagkv:lag_size=32": 9, "keydiff:budget=450:block_size=16": 10}}
 
@@ -130,9 +130,8 @@ FOUND_IN_TRANSFORMERS = {"bfloat16": {"lagkv:lag_size=32": 8, "keydiff:budget=45
 def test_passkey_with_evictions_while_decoding(server, prompts, spec):
     """LagKV's reference mode (every 32 tokens) and KeyDiff's budget mode (back to 450 entries every 16
     tokens) compact at the prompt's end and again while decoding; they find as many passkeys as the same
-    method in transformers, less at most one (the kernels differ). Transformers' count: for each prompt,
-    `model.generate(tok(prompt).input_ids, cache=TrimCache(parse_method_spec(spec).build()), max_new_tokens=40,
-    min_new_tokens=40)` on `load_model("smollm2-135m", dtype=SERVER_DTYPE)` (tests/data/passkey_found.py)."""
+    method in transformers, less at most one (the kernels differ). Transformers' count in the servers' dtype:
+    `FOUND_IN_TRANSFORMERS` (how each was measured: the comment above it)."""
     texts = [s.prompt for s in prompts]
     full = complete(server.url, texts, max_tokens=40, ignore_eos=True)
     import re
