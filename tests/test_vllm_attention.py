@@ -20,6 +20,8 @@ from kvtrim.vllm.attention import window_rows  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PROBE = os.path.join(os.path.dirname(__file__), "data", "attention_probe")
+#: test methods that break the engine's contract, registered through an entry point (the engine's processes find them)
+BREAKER = os.path.join(os.path.dirname(__file__), "data", "contract_breaker")
 MODEL = "smollm2-135m"
 BUDGET = 32  # max_num_batched_tokens: every prompt below takes several forwards
 
@@ -61,8 +63,8 @@ def start_engine(eager: bool):
     saved = dict(os.environ)
     # the engine's processes are spawned: they take this environment (and sys.path) with them
     os.environ.update(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                      PYTHONPATH=os.pathsep.join([PROBE, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    sys.path.insert(0, PROBE)
+                      PYTHONPATH=os.pathsep.join([PROBE, BREAKER, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    sys.path[:0] = [PROBE, BREAKER]  # (spawned processes start from this sys.path)
     model_dir = str(resolve_model_dir(MODEL))
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=eager, seed=0, max_model_len=512, max_num_seqs=4,
               max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
@@ -76,6 +78,7 @@ def start_engine(eager: bool):
         os.environ.clear()
         os.environ.update(saved)
         sys.path.remove(PROBE)
+        sys.path.remove(BREAKER)
 
 
 def generate(llm, tok, names, ask=True):
@@ -361,3 +364,40 @@ def test_decode_attention_under_compiled_mode(compiled_engine, hf_tova, tmp_path
     runs = [[("c-tova", "long", TOVA[0], None), ("c-h2o", "idle", H2O[1], None), ("c-lazy", "long", LAZY[1], None),
              ("c-snap", "idle", SNAPKV[0], None)]]
     check_decode_runs(compiled_engine, hf_tova, tmp_path, runs, [TOVA[0], H2O[1], LAZY[1]])
+
+
+def test_a_method_raising_or_a_plan_disagreeing_on_the_worker_fails_only_that_request(engine, hf_tova, tmp_path):
+    """Worker-side failures end only the request at fault, with its one-line reason as its output's `stop_reason`
+    (vLLM's `RequestOutput`): a user method whose `on_attention` raises at decode steps (two such requests, decided
+    alone, then as a batch of their own), one whose `prompt_queries` raises in the worker as its prompt forward is
+    planned (it stopped the engine before), and a TOVA request whose plan disagrees with what the worker keeps at a
+    decode step where it would be decided in one batch with two other TOVA requests (`probe_tamper`: it is decided
+    alone, and fails alone). The requests beside them answer transformers' tokens."""
+    from vllm import SamplingParams
+
+    llm, tok = engine
+    runs = [[("ok-a", "long", TOVA[0], None), ("tampered", "long", TOVA[0], 1), ("ok-b", "long", TOVA[0], None)],
+            [("attn-a", "idle", "raises_in_on_attention:budget=24", None),
+             ("attn-b", "idle", "raises_in_on_attention:budget=24", None), ("ok-idle", "idle", TOVA[1], None),
+             ("queries", "long", "raises_in_worker_prompt_queries:compression_ratio=0.5", None)]]
+    outputs = {}
+    for run in runs:  # (the engine runs 4 requests at once)
+        prompts = [{"prompt_token_ids": tok(REQUESTS[p][0]).input_ids} for _, p, _, _ in run]
+        params = [SamplingParams(max_tokens=TOVA_TOKENS, temperature=0, ignore_eos=True,
+                                 extra_args={"probe": n, "kvtrim": spec} | ({"probe_tamper": t} if t else {}))
+                  for n, _, spec, t in run]
+        outputs |= {n: o.outputs[0] for (n, *_), o in zip(run, llm.generate(prompts, params, use_tqdm=False))}
+    r = report(llm, tmp_path)
+    for name in ("tampered", "attn-a", "attn-b", "queries"):
+        out = outputs[name]
+        assert out.finish_reason == "error" and out.stop_reason == f"kvtrim: {r['failed'][name]}", (name, out)
+        assert "\n" not in r["failed"][name]
+    assert "the scheduler expected" in r["failed"]["tampered"], r["failed"]["tampered"]
+    assert "on_attention failed on purpose" in r["failed"]["attn-a"]
+    assert "prompt_queries failed on purpose" in r["failed"]["queries"]
+    for name, prompt, spec, _ in runs[0] + runs[1]:
+        if name.startswith("ok"):
+            kept, tokens = hf_tova[prompt, spec]
+            assert name not in r["failed"] and list(outputs[name].token_ids) == tokens, name
+            end, got = r["latest"][name]  # (the probe sees the steps decided alone: the last one if it was)
+            assert end < len(tok(REQUESTS[prompt][0]).input_ids) + TOVA_TOKENS - 1 or torch.equal(got, kept), name

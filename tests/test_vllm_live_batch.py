@@ -128,8 +128,7 @@ def test_batched_decode_steps_keep_what_each_request_keeps_alone(spec, prompts):
         ids = [req_id for req_id, _, _ in groups[0]]
         members = [batched[int(i)] for i in ids]
         stored = decide_group(caches, [m.worker for m in members], ids, [m.blocks.tolist() for m in members],
-                              [m.end for m in members], [m.end - m.counts.discarded for m in members], tap, SCALE,
-                              cpu_vec)
+                              [m.end for m in members], tap, SCALE, cpu_vec)
         for m in members:
             m.gone = m.end - stored
             assert m.gone == m.counts.discarded

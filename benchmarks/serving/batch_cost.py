@@ -114,8 +114,7 @@ def run(spec: str, steps: int, probs_fn) -> tuple[float, float, bool]:
         for items in groups:
             ids = [i for i, _, _ in items]
             decide_group(caches, [reqs[i] for i in ids], ids, [requests[int(i)][2].tolist() for i in ids],
-                         [end for *_, end in items], [plan.end - plan.discarded for _, plan, _ in items], tap, SCALE,
-                         layout_amx)
+                         [end for *_, end in items], tap, SCALE, layout_amx)
         batch_s.append(time.perf_counter() - start)
         if rest:  # (the first step: each request joins from its own layer; none is left alone after it)
             raise SystemExit(f"{len(rest)} requests were not batched")

@@ -99,6 +99,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_sum_rows: dict[str, tuple[int, int]] = {}
         #: the entries of the compressed contexts requests share (`kvtrim.vllm.contexts`), by the scheduler's id
         self.kvtrim_contexts: dict[int, ContextEntries] = {}
+        #: this step's requests whose method raised while their forward was planned or run: req_id -> the error
+        self._kvtrim_broken: dict[str, Exception] = {}
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -182,33 +184,29 @@ class TrimModelRunner(CPUModelRunner):
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._kvtrim_forget(req_id)  # recomputed later (from cached blocks, maybe: not always from token 0)
         self._kvtrim_shared_contexts(plan)
+        self._kvtrim_broken = {}
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             if computed[i] == 0:  # new, or recomputed after preemption: starts afresh
                 self._kvtrim_forget(req_id)
-            req = self.kvtrim_request(req_id)
+            due = plan.due.get(req_id)
+            end = int(computed[i] + num_scheduled_tokens[i])
+            if due is not None:
+                self._kvtrim_due.append((req_id, due, end))
+            try:
+                req = self.kvtrim_request(req_id)
+            except Exception as err:  # noqa: BLE001 - (its spec: the scheduler's refused it too; a guard)
+                self._kvtrim_broken[req_id] = err
+                continue
             discarded[i] = req.discarded
-            prompt = req.prompt_tokens
-            if computed[i] < prompt and num_scheduled_tokens[i]:  # a prompt forward: does it copy queries?
-                self._kvtrim_plan_queries(req_id, i, int(computed[i]), int(num_scheduled_tokens[i]), prompt)
             if req.entries.hole is not None and num_scheduled_tokens[i]:
                 holes.append((i, req.entries.fill_hole(int(computed[i]))))
-            due = plan.due.get(req_id)
-            if due is not None:
-                self._kvtrim_due.append((req_id, due, int(computed[i] + num_scheduled_tokens[i])))
-                if due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and req.method.needs_attention:
-                    # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
-                    row_end = int(self.query_start_loc.np[i] + num_scheduled_tokens[i])
-                    if req.method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
-                        # its step's probabilities (and query), computed by the attention backend for all such requests at once
-                        self.kvtrim_tap.plan_probs(req_id, row_end - 1, self.requests[req_id].block_ids[0],
-                                                    int(computed[i] + num_scheduled_tokens[i]) - req.discarded)
-                    else:
-                        self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
-            if computed[i] < prompt and num_scheduled_tokens[i] and self.kvtrim_attention and prompt_sums(req.method):
-                # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
-                row_start = int(self.query_start_loc.np[i])
-                self.kvtrim_tap.plan_last(req_id, row_start, row_start + int(num_scheduled_tokens[i]))
-                self._kvtrim_sum_rows[req_id] = (int(computed[i]), min(int(num_scheduled_tokens[i]), prompt - int(computed[i])))
+            try:  # what the forward copies for its method: the method's code, which fails this request alone
+                self._kvtrim_plan_rows(req_id, req, i, int(computed[i]), int(num_scheduled_tokens[i]), due)
+            except Exception as err:  # noqa: BLE001 - one request's method must not stop the engine
+                self._kvtrim_broken[req_id] = err
+                self.kvtrim_tap.forget(req_id)
+                self.kvtrim_tap.prob_plan.pop(req_id, None)
+                self._kvtrim_sum_rows.pop(req_id, None)
         self.kvtrim_tap.seal_probs(self.kv_caches[0].shape[2] if self.kv_caches else 1)
         if discarded.any():
             total = scheduler_output.total_num_scheduled_tokens
@@ -222,6 +220,28 @@ class TrimModelRunner(CPUModelRunner):
                 slots[int(self.query_start_loc.np[i])] = hole
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
         return out
+
+    def _kvtrim_plan_rows(self, req_id: str, req: WorkerRequest, i: int, computed: int, scheduled: int, due) -> None:
+        """Plan what this forward copies for request `req_id` (the batch's `i`-th, tokens `computed` ..
+        `computed + scheduled - 1`, compacted after it when `due`): its prompt (block)'s last queries, a due decode
+        step's probabilities or an append's queries, its prompt rows' attention sums."""
+        prompt, method = req.prompt_tokens, req.method
+        if computed < prompt and scheduled:  # a prompt forward: does it copy queries?
+            self._kvtrim_plan_queries(req_id, i, computed, scheduled, prompt)
+        if due is not None and due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and method.needs_attention:
+            # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
+            row_end = int(self.query_start_loc.np[i] + scheduled)
+            if method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
+                # its step's probabilities (and query), computed by the attention backend for all such requests at once
+                self.kvtrim_tap.plan_probs(req_id, row_end - 1, self.requests[req_id].block_ids[0],
+                                           computed + scheduled - req.discarded)
+            else:
+                self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
+        if computed < prompt and scheduled and self.kvtrim_attention and prompt_sums(method):
+            # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
+            row_start = int(self.query_start_loc.np[i])
+            self.kvtrim_tap.plan_last(req_id, row_start, row_start + scheduled)
+            self._kvtrim_sum_rows[req_id] = (computed, min(scheduled, prompt - computed))
 
     def _kvtrim_shared_contexts(self, plan: StepPlan) -> None:
         """Before the forward: forget the contexts the scheduler released, copy contexts' last blocks into their new
@@ -270,7 +290,15 @@ class TrimModelRunner(CPUModelRunner):
         stats, tap = self.kvtrim_stats, self.kvtrim_tap
         stats.probs_s, stats.attended, stats.attended_s = stats.probs_s + probs_s, tap.attended, tap.attended_s
         for req_id, (computed, rows) in self._kvtrim_sum_rows.items():
-            self._kvtrim_add_prompt_sums(req_id, computed, rows)
+            try:
+                self._kvtrim_add_prompt_sums(req_id, computed, rows)
+            except Exception as err:  # noqa: BLE001 - one request's method must not stop the engine
+                self._kvtrim_broken[req_id] = err
+        broken, self._kvtrim_broken = self._kvtrim_broken, {}
+        plans = {req_id: plan for req_id, plan, _ in due}
+        for req_id, err in broken.items():  # its method failed before the forward or in it: it is not compacted
+            self._kvtrim_fail(req_id, plans.get(req_id), err)
+        due = [item for item in due if item[0] not in self._kvtrim_failed]
         for req_id, plan, end in self._kvtrim_batches(due):
             self._compact(req_id, plan, end)
         if due:  # (the same steps on every tensor-parallel rank: the plan's)
@@ -340,12 +368,12 @@ class TrimModelRunner(CPUModelRunner):
         steps, expected = plan.steps, plan.discarded
         req, state = self.kvtrim_request(req_id), self.requests[req_id]
         method, entries = req.method, req.entries
-        if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
-            index, old, new = (list(c) for c in zip(*plan.copies))
-            copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
-            replace_blocks(state, self.input_batch, req_id, index, new)
-        block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
         try:
+            if plan.copies:  # blocks shared or in the prefix cache: written only as fresh copies (copy on write)
+                index, old, new = (list(c) for c in zip(*plan.copies))
+                copy_blocks(self.kv_caches, torch.tensor(old), torch.tensor(new))
+                replace_blocks(state, self.input_batch, req_id, index, new)
+            block_ids = torch.tensor(state.block_ids[0], dtype=torch.long)
             if plan.end != end:  # the worker and the scheduler must be at the same token of the request
                 raise KvtrimError(f"the scheduler planned a compaction at token {plan.end}, the forward ended at {end}")
             queries = sums = None
@@ -392,27 +420,36 @@ class TrimModelRunner(CPUModelRunner):
             start, ids = time.perf_counter(), [req_id for req_id, _, _ in items]
             try:
                 stored = decide_group(self.kv_caches, [self.kvtrim_request(i) for i in ids], ids,
-                                      [self.requests[i].block_ids[0] for i in ids], [end for *_, end in items],
-                                      [plan.end - plan.discarded for _, plan, _ in items], tap,
+                                      [self.requests[i].block_ids[0] for i in ids], [end for *_, end in items], tap,
                                       self.kvtrim_scales[0], self._kvtrim_layout)
-            except Exception as err:  # noqa: BLE001 - the group's requests fail, the engine goes on
+            except Exception as err:  # noqa: BLE001 - the engine goes on
+                # (one method and its parameters, one run of its rule over every member's rows: what it raised
+                # there is each member's; a count against the plan is checked per member below)
                 for req_id, plan, _ in items:
                     self._kvtrim_fail(req_id, plan, err)
                 continue
             seconds = (time.perf_counter() - start) / len(items)
             self.kvtrim_stats.batched += len(items)
             for req_id, plan, end in items:
-                self._kvtrim_compacted(req_id, plan, end - stored, seconds)
+                if plan.end - plan.discarded != stored:  # the scheduler freed by its count: this member alone fails
+                    self._kvtrim_fail(req_id, plan, KvtrimError(
+                        f"a batch of {self.kvtrim_method(req_id).describe()} keeps {stored} entries, the scheduler "
+                        f"planned {plan.end - plan.discarded} for this request"))
+                else:
+                    self._kvtrim_compacted(req_id, plan, end - stored, seconds)
         return rest
 
     def _kvtrim_fail(self, req_id: str, plan, err: Exception) -> None:
-        """Request `req_id`'s compaction (`plan`) failed: it is handed to the scheduler, which ends it (its blocks go
-        back with it); until then its slots follow the scheduler's count (its entries no longer matter)."""
-        why, req = one_line(err), self.kvtrim_request(req_id)
+        """Request `req_id` failed (its compaction `plan`, or None when nothing was due): it is handed to the
+        scheduler, which ends it (its blocks go back with it); until then its slots follow the scheduler's count
+        (its entries no longer matter)."""
+        why = one_line(err)
         logger.error("kvtrim: request %s fails: %s", req_id, why)
         self._kvtrim_failed[req_id] = why
-        req.discarded, req.entries.hole, req.entries.live = plan.discarded, None, None
-        drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
+        req = self.kvtrim_requests.get(req_id)
+        if plan is not None and req is not None:
+            req.discarded, req.entries.hole, req.entries.live = plan.discarded, None, None
+            drop_tail_blocks(self.requests[req_id], self.input_batch, req_id, slots_held(plan))
 
     def _kvtrim_compacted(self, req_id: str, plan, gone: int, seconds: float) -> None:
         """Request `req_id`'s compaction (`plan`) left it `gone` entries discarded in `seconds`: its blocks past them

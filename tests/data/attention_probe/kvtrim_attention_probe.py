@@ -11,14 +11,20 @@
 * `kept`: NAME -> the token positions its blocks hold after its prompt's compaction, per layer and KV head
   `(layers, kv_heads, n_keep)` sorted; `latest`: NAME -> (its token count, those positions) after its latest
   compaction; `failed`: NAME -> why its compaction failed (one line);
+* `probe_tamper: N` in a request's `extra_args`: its plan at its first decode step decided in a batch at token
+  `prompt + N` or later is one entry off (a plan the worker's count disagrees with, as a method breaking the
+  engine's contract would make it);
 * `sum_chunks`: NAME -> the `(first position, rows)` of each prefill chunk whose attention sums were added
   (H2O); `sums_held`: the NAMEs whose prompt sums the runner still holds.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from kvtrim.vllm.live_batch import batch_groups
 from kvtrim.vllm.worker import TrimCPUWorker, TrimModelRunner
 
 
@@ -33,6 +39,7 @@ class ProbeRunner(TrimModelRunner):
         self.probe_latest: dict[str, tuple[int, torch.Tensor]] = {}
         self.probe_failed: dict[str, str] = {}
         self.probe_sum_chunks: dict[str, list] = {}
+        self.probe_tampered: set[str] = set()
 
     def _probe_args(self, req_id: str) -> dict:
         params = self.requests[req_id].sampling_params
@@ -42,16 +49,31 @@ class ProbeRunner(TrimModelRunner):
         args = self._probe_args(req_id)
         return int(args["probe_window"]) if "probe_window" in args else super().kvtrim_query_window(req_id)
 
+    def _kvtrim_fail(self, req_id: str, plan, err: Exception) -> None:
+        super()._kvtrim_fail(req_id, plan, err)
+        self.probe_failed[self._probe_args(req_id).get("probe", req_id)] = self._kvtrim_failed[req_id]
+
     def _compact(self, req_id: str, plan, end: int) -> None:
         super()._compact(req_id, plan, end)
         name = self._probe_args(req_id).get("probe", req_id)
-        if req_id in self._kvtrim_failed:
-            self.probe_failed[name] = self._kvtrim_failed[req_id]
-        else:
+        if req_id not in self._kvtrim_failed:
             positions = torch.stack([p.sort(dim=-1).values for p in self.kvtrim_requests[req_id].entries.positions])
             self.probe_latest[name] = (end, positions)
             if plan.steps[0].ends_prompt:  # the prompt's compaction
                 self.probe_kept[name] = positions
+
+    def _kvtrim_batches(self, due: list) -> list:
+        # `probe_tamper: N`: the request's first decode step decided in a batch at token `prompt + N` or later has a
+        # plan one entry off (what the worker keeps disagrees with it, as a method breaking the contract would do)
+        groups, _ = batch_groups(due, self.kvtrim_request, self.kvtrim_tap.prob_index, True)
+        grouped = {req_id for items in groups for req_id, _, _ in items}
+        for k, (req_id, plan, end) in enumerate(due):
+            tamper = self._probe_args(req_id).get("probe_tamper")
+            if (req_id in grouped and tamper is not None and req_id not in self.probe_tampered
+                    and end >= self.requests[req_id].num_prompt_tokens + tamper):
+                self.probe_tampered.add(req_id)
+                due[k] = (req_id, replace(plan, discarded=plan.discarded + 1), end)
+        return super()._kvtrim_batches(due)
 
     def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
         super()._kvtrim_add_prompt_sums(req_id, computed, rows)

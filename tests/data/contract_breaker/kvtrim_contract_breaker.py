@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from kvtrim import register_method
 from kvtrim.methods import ScoringMethod
+from kvtrim.methods.base import Phase
+from kvtrim.methods.snapkv import SnapKV
+from kvtrim.methods.tova import TOVA
 
 
 @register_method
@@ -59,3 +62,45 @@ class RaisesOnRankOne(ScoringMethod):
         if rank == 1:
             raise RuntimeError("raises_on_rank_one: the score failed on purpose")
         return -view.keys.float().norm(dim=-1)
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesInOnAttention(TOVA):
+    """TOVA whose `on_attention` raises at decode steps (the scheduler counts TOVA by its schedule: it never calls
+    it): on the worker, alone or decided in a batch with requests of its own method, its requests end with an
+    error and the others go on (tests/test_vllm_attention.py)."""
+
+    name = "raises_in_on_attention"
+    summary = "test only: TOVA whose on_attention raises at decode steps"
+
+    def on_attention(self, view):
+        if view.phase is Phase.DECODE:
+            raise RuntimeError("raises_in_on_attention: on_attention failed on purpose")
+        return super().on_attention(view)
+
+
+def _in_a_worker() -> bool:
+    """True in a vLLM worker process (its tensor-parallel group exists), False in the scheduler's and elsewhere."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        get_tensor_model_parallel_rank()
+        return True
+    except Exception:  # noqa: BLE001 - no vLLM, or no parallel group
+        return False
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesInWorkerPromptQueries(SnapKV):
+    """SnapKV whose `prompt_queries` raises in the worker (where each prompt forward asks it which query rows to
+    copy), not in the scheduler: its request ends with an error before its forward, the others go on."""
+
+    name = "raises_in_worker_prompt_queries"
+    summary = "test only: SnapKV whose prompt_queries raises in vLLM's worker"
+
+    def prompt_queries(self):
+        if _in_a_worker():
+            raise RuntimeError("raises_in_worker_prompt_queries: prompt_queries failed on purpose")
+        return super().prompt_queries()
