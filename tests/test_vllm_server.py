@@ -307,6 +307,46 @@ def test_a_context_compressed_on_its_own_answers_as_kvtrim_compress(server_f32, 
     wait_idle(server_f32.url, held=context_blocks(server_f32))
 
 
+def test_many_questions_about_one_document_at_once_answer_as_one_by_one_float32(server_f32, prompts):
+    """Eight questions about one ~900-token document sent at once, each naming the document as its context
+    (LagKV at 0.75), then three documents x four questions interleaved: every one is answered (the engine went down
+    on the second registration of one context in a step), token for token as when the same questions are sent one
+    by one (another `cache_salt`: the first registers the context, the others start from it); one context per
+    document is registered in each salt; the server serves afterwards and holds only those contexts."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
+    docs = [tok(prompts[i].prompt).input_ids for i in range(3)]
+    asks = [" The pass key is", " Remember the key:", " What was the key?", " Key:", " The number to remember is",
+            " Answer with the key.", " The code is", " So the pass key is"]
+    questions = [tok(q, add_special_tokens=False).input_ids for q in asks]
+    spec = "lagkv:compression_ratio=0.75"
+    jobs = [(0, q) for q in range(8)] + [(d, q) for q in range(4) for d in range(3)]
+    client = openai.OpenAI(base_url=server_f32.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+
+    def one(job, salt):
+        d, q = job
+        r = client.completions.create(model=model, prompt=docs[d] + questions[q], max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"vllm_xargs": {"kvtrim": spec, "kvtrim_context": len(docs[d])},
+                                                  "cache_salt": salt})
+        return r.choices[0].text
+
+    registered = lambda: len(re.findall(r"shares its context", server_f32.tail(100000)))  # noqa: E731
+    before = registered()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        eight = list(pool.map(lambda job: one(job, "at once"), jobs[:8]))
+        rest = list(pool.map(lambda job: one(job, "at once"), jobs[8:]))
+    assert registered() - before == 3  # one per document, however many asked at once
+    alone = [one(job, "one by one") for job in jobs]
+    assert eight + rest == alone
+    assert registered() - before == 6
+    assert complete(server_f32.url, ["The capital of France is"])[0]  # the server goes on
+    wait_idle(server_f32.url, held=context_blocks(server_f32))
+
+
 @pytest.mark.parametrize("xargs, words", [
     ({"kvtrim_context": "12"}, "kvtrim_context must be the number of leading prompt tokens"),
     ({"kvtrim_context": 0}, "kvtrim_context must be the number of leading prompt tokens"),
