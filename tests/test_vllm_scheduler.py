@@ -946,7 +946,7 @@ def _breaker(hook: str):
 def test_a_method_raising_in_any_scheduler_side_call_ends_only_its_request(hook, context):
     """A user method that raises in what the scheduler asks it (when its request is added or planned, with or
     without a context) ends its request with an error whose `stop_reason` carries the one line, in the step
-    it is added or planned; the requests queued after it are admitted in the same step (not held behind it) and
+    it is added or planned (the server's front end refuses it first, a 400 with the line); the requests queued after it are admitted in the same step (not held behind it) and
     answer; nothing is left in the pool or the manager."""
     s = make_scheduler(60, prefix_caching=True)
     send = _hashed_requests(s)
@@ -964,11 +964,17 @@ def test_a_method_raising_in_any_scheduler_side_call_ends_only_its_request(hook,
     send("good1", list(range(3000, 3050)), None, max_tokens=4)
     finished = _outcomes(s)
     assert finished["good0"] == finished["good1"] == "LENGTH", finished
+    # the server's front end asks the method the same (`ask_as_the_scheduler`): a 400 with the line instead
+    from kvtrim.vllm.platform import unfit_request
+
+    extra = {"kvtrim": spec} | ({"kvtrim_context": context} if context else {})
+    front = unfit_request(s.vllm_config, 120, SamplingParams(max_tokens=4, extra_args=extra))
     if hook == "__repr__" and context is None:  # (only a context's key reads it)
         assert finished["bad"] == "LENGTH"
     else:
         assert finished["bad"].startswith("ERROR kvtrim: ") and f"{hook} broke" in finished["bad"], finished
         assert "\n" not in finished["bad"]
+        assert front is not None and f"{hook} broke" in front and "\n" not in front, front
     assert not s.trim.states and not s.trim.failed and not s.trim.contexts.pending
     assert free_blocks(s) == 60 - s.trim.contexts.held_blocks()
 

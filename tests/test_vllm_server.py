@@ -362,6 +362,17 @@ def test_a_bad_context_is_400_in_one_line(server, xargs, words):
     assert words in err.value.message and "\n" not in err.value.message
 
 
+def test_a_method_that_fails_on_the_request_is_400_in_one_line(server):
+    """An installed method whose `schedule` raises (what the scheduler asks every request's method when it adds it):
+    the front end asks it first and answers a 400 with the method's one line; the server goes on."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=client.models.list().data[0].id, prompt="The capital of France is",
+                                  max_tokens=4, extra_body={"vllm_xargs": {"kvtrim": "raises_in_schedule:budget=8"}})
+    assert "schedule failed on purpose" in err.value.message and "\n" not in err.value.message
+    assert complete(server.url, ["The capital of France is"])[0]
+
+
 def test_compacted_blocks_return_to_the_pool(server, prompts):
     """Each ~900-token prompt holds 8 blocks of 128 while it is computed; LagKV at 0.75 keeps about a quarter
     of it (2 blocks): the scheduler gets the rest back after the compacting step, and the pool is empty after."""

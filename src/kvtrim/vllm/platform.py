@@ -1,4 +1,5 @@
-"""`TrimCpuPlatform`: vLLM's CPU platform, plus a 400 for a request that can never fit the server's KV pool.
+"""`TrimCpuPlatform`: vLLM's CPU platform, plus a 400 for a request that can never fit the server's KV pool, or
+whose method fails on its input.
 
 vLLM's front end checks each request, once its prompt is tokenised and before it reaches the engine, with its
 platform's `validate_request(prompt, params)` (`InputProcessor.process_inputs`), and answers what it raises as
@@ -10,17 +11,19 @@ the same environment keeps its own platform). It changes nothing else of the CPU
 
 The rule is the scheduler's manager's (`kvtrim.vllm.planning.never_fits`: the request's peak under its method
 against the pool's blocks); the manager still ends such a request (HTTP 500) where this check cannot run: a
-request given as embeddings, or before the engine has told the front end its pool's size.
+request given as embeddings, or before the engine has told the front end its pool's size. The method is also asked
+here what the scheduler will ask it (`ask_as_the_scheduler`): a method that raises on this request's input is a
+400 with its one line, not a 500 once the request has reached the engine.
 """
 
 from __future__ import annotations
 
 from vllm.platforms.cpu import CpuPlatform
 
-from kvtrim.methods.base import KvtrimError
+from kvtrim.methods.base import EvictionMethod, KvtrimError, one_line
 from kvtrim.vllm.config import server_method
-from kvtrim.vllm.planning import never_fits, request_peak, request_total
-from kvtrim.vllm.spec import request_context, request_method, request_refusal
+from kvtrim.vllm.planning import block_end, never_fits, plan_forward, prompt_block, request_peak, request_total
+from kvtrim.vllm.spec import reads_prefix_cache, request_context, request_method, request_refusal, shares_context
 
 
 def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
@@ -37,16 +40,33 @@ def unfit_request(vllm_config, prompt_tokens: int, params) -> str | None:
         context = request_context(params)
     except KvtrimError:  # a bad spec or context: `MethodSpecCheck` refused it already
         return None
-    why = request_refusal(method, context, prompt_tokens, vllm_config.parallel_config.tensor_parallel_size)
-    if why is not None:
-        return why
-    if not pool:
-        return None
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_tokens
-    total = request_total(prompt_tokens, max_tokens, max_len)
-    block_size = vllm_config.cache_config.block_size
-    peak, _ = request_peak(method, context or prompt_tokens, total, block_size)
-    return never_fits(method, prompt_tokens, max_tokens, total, peak, block_size, pool - 1)  # one null block
+    try:
+        why = request_refusal(method, context, prompt_tokens, vllm_config.parallel_config.tensor_parallel_size)
+        if why is not None:
+            return why
+        if method is not None:
+            ask_as_the_scheduler(method, context or prompt_tokens)
+        if not pool:
+            return None
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_tokens
+        total = request_total(prompt_tokens, max_tokens, max_len)
+        block_size = vllm_config.cache_config.block_size
+        peak, _ = request_peak(method, context or prompt_tokens, total, block_size)
+        return never_fits(method, prompt_tokens, max_tokens, total, peak, block_size, pool - 1)  # one null block
+    except Exception as err:  # noqa: BLE001 - the method refuses this request's input: the request's fault
+        return f"{type(method).__name__} failed on this request: {one_line(err)}"
+
+
+def ask_as_the_scheduler(method: EvictionMethod, prompt_tokens: int) -> None:
+    """Ask `method` what the scheduler's manager asks it of a request whose method is told `prompt_tokens` as its
+    prompt (`TrimAttentionManager.start`: whether it shares its context or the prefix cache, its repr for a
+    context's key, its prompt block; then the compaction planned after the forward that ends its prompt, or its
+    first prompt block): what it raises here it would raise there, where it would end the request with a 500."""
+    shares_context(method)
+    reads_prefix_cache(method)
+    repr(method)
+    block = prompt_block(method)
+    plan_forward(None, method, 0, prompt_tokens if block is None else block_end(0, prompt_tokens, block), prompt_tokens)
 
 
 class TrimCpuPlatform(CpuPlatform):

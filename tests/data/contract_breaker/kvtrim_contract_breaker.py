@@ -104,3 +104,18 @@ class RaisesInWorkerPromptQueries(SnapKV):
         if _in_a_worker():
             raise RuntimeError("raises_in_worker_prompt_queries: prompt_queries failed on purpose")
         return super().prompt_queries()
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesInSchedule(ScoringMethod):
+    """KNorm whose `schedule` raises (the scheduler asks it of each request it adds): the server's front end asks it first and answers a 400 with the one line."""
+
+    name = "raises_in_schedule"
+    summary = "test only: KNorm whose schedule raises"
+
+    def score(self, view):
+        return -view.keys.float().norm(dim=-1)
+
+    def schedule(self):
+        raise RuntimeError("raises_in_schedule: schedule failed on purpose")
