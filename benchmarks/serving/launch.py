@@ -38,15 +38,15 @@ def thread_binding(ranks: int) -> str:
     return "|".join(str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" for c in runs)
 
 
-def server_env(plain: bool = False, ranks: int = 1) -> dict[str, str]:
+def server_env(plain: bool = False, ranks: int = 1, path: str | None = None) -> dict[str, str]:
     """The caller's environment plus the checkout's `src` first on PYTHONPATH (the server runs this
-    checkout's kvtrim), OpenMP preloaded and HF_HUB_OFFLINE=1 (`kvtrim.vllm.cli.child_env`), the threads bound
-    for `ranks` workers (`thread_binding`); for plain vLLM (`plain`) no general plugin either: kvtrim's entry
-    point would install its attention backend there."""
+    checkout's kvtrim; `path`: folders after it, e.g. a package of methods), OpenMP preloaded and HF_HUB_OFFLINE=1
+    (`kvtrim.vllm.cli.child_env`), the threads bound for `ranks` workers (`thread_binding`); for plain vLLM (`plain`)
+    no general plugin either: kvtrim's entry point would install its attention backend there."""
     from kvtrim.vllm.cli import child_env
 
     env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=thread_binding(ranks))
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(SRC), env.get("PYTHONPATH", "")) if x)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(SRC), path, env.get("PYTHONPATH", "")) if x)
     if plain:
         env["VLLM_PLUGINS"] = ""  # vLLM as shipped: none of the installed general plugins
     return env
@@ -70,7 +70,7 @@ class Server:
     """A running server: `url`, `log_path`, `start_s` (seconds until `/health` answered)."""
 
     def __init__(self, model: str, method: str | None, flags: list[str], log_path: pathlib.Path,
-                 timeout: float = 900, prefix_caching: bool = False, ranks: int = 1):
+                 timeout: float = 900, prefix_caching: bool = False, ranks: int = 1, path: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -79,7 +79,8 @@ class Server:
         self.cmd = server_command(model, method, self.port, flags, prefix_caching)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=server_env(plain=method is None, ranks=ranks), start_new_session=True)
+                                     env=server_env(plain=method is None, ranks=ranks, path=path),
+                                     start_new_session=True)
         try:
             self._wait_healthy(t0 + timeout)
         except BaseException:

@@ -430,6 +430,12 @@ class TrimAttentionManager(FullAttentionManager):
             self._copies.append((context.tail.block_id, self.req_to_blocks[request_id][len(context.blocks)].block_id))
         return new
 
+    def describe_held(self) -> str:
+        """What this manager holds (the scheduler logs it when idle; a leak shows as a count above 0)."""
+        return (f"{len(self.states)} requests, {len(self.failed)} failed to end, {self.contexts.describe()}, "
+                f"{len(self.contexts.pending)} pending, {self.block_pool.get_num_free_blocks()} of "
+                f"{self.block_pool.num_gpu_blocks - 1} blocks free")
+
     def _debt(self) -> int:
         """Blocks that admitted requests may still take to reach their peaks."""
         return sum(max(0, s.reserved - len(self.req_to_blocks.get(rid, ())))

@@ -74,6 +74,8 @@ class TrimScheduler(Scheduler):
         #: requests ended with an error before this step's forward, their clients told at its update: req_id ->
         #: (the request, why)
         self._kvtrim_ended: dict[str, tuple] = {}
+        #: requests ran since the scheduler last said it was idle
+        self._kvtrim_busy = False
 
     @property
     def kvtrim_freed_blocks(self) -> int:
@@ -127,6 +129,10 @@ class TrimScheduler(Scheduler):
         return n
 
     def schedule(self, *args, **kwargs):
+        if not self.requests and self._kvtrim_busy:  # the last requests ended: what kvtrim's manager still holds
+            self._kvtrim_busy = False
+            logger.info("kvtrim: scheduler idle: %s", self.trim.describe_held())
+        self._kvtrim_busy = self._kvtrim_busy or bool(self.requests)
         # requests that failed since the last step (their method raised when they were added, or they can never
         # fit) end now, before vLLM's admission loop, which would stop at the first one it cannot admit
         failed = self.trim.take_failed()

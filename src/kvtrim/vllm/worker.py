@@ -101,6 +101,8 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_contexts: dict[int, ContextEntries] = {}
         #: this step's requests whose method raised while their forward was planned or run: req_id -> the error
         self._kvtrim_broken: dict[str, Exception] = {}
+        #: a forward ran since the worker last said it was idle
+        self._kvtrim_busy = False
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -244,10 +246,8 @@ class TrimModelRunner(CPUModelRunner):
             self._kvtrim_sum_rows[req_id] = (computed, min(scheduled, prompt - computed))
 
     def _kvtrim_shared_contexts(self, plan: StepPlan) -> None:
-        """Before the forward: forget the contexts the scheduler released, copy contexts' last blocks into their new
-        readers' own, and start each new reader's state as its context's entries (`kvtrim.vllm.contexts`)."""
-        for context in plan.released:
-            self.kvtrim_contexts.pop(context, None)
+        """Before the forward: copy contexts' last blocks into their new readers' own, and start each new reader's
+        state as its context's entries (`kvtrim.vllm.contexts`)."""
         if plan.copies:
             copy_blocks(self.kv_caches, *(torch.tensor(ids) for ids in zip(*plan.copies)))
         for req_id, (context, discarded) in plan.adopted.items():
@@ -280,6 +280,9 @@ class TrimModelRunner(CPUModelRunner):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         start = time.perf_counter()
+        plan = getattr(scheduler_output, PLAN_ATTR, None)
+        for context in plan.released if plan is not None else ():  # (also in a step that runs no forward)
+            self.kvtrim_contexts.pop(context, None)
         try:
             out = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -313,8 +316,13 @@ class TrimModelRunner(CPUModelRunner):
         self.kvtrim_stats.step_s += time.perf_counter() - start
         if scheduler_output.total_num_scheduled_tokens:
             self.kvtrim_stats.steps += 1
+            self._kvtrim_busy = True
             if self.kvtrim_stats.steps % 16 == 0 or any(plan.steps[0].ends_prompt for _, plan, _ in due):
                 self._log_stats()
+        elif self._kvtrim_busy:  # the step that tells the worker the last requests ended: what it still holds
+            self._kvtrim_busy = False
+            logger.info("kvtrim: worker idle: %d requests, %d shared contexts, %d query windows held",
+                        len(self.kvtrim_requests), len(self.kvtrim_contexts), len(self.kvtrim_tap.windows))
         return out
 
     def sample_tokens(self, *args, **kwargs):

@@ -119,3 +119,19 @@ class RaisesInSchedule(ScoringMethod):
 
     def schedule(self):
         raise RuntimeError("raises_in_schedule: schedule failed on purpose")
+
+
+@register_method
+@dataclass(kw_only=True)
+class RaisesInRepr(ScoringMethod):
+    """KNorm whose `repr` raises (a shared context's key holds it): the server's front end asks it first and answers
+    a 400 with the one line."""
+
+    name = "raises_in_repr"
+    summary = "test only: KNorm whose repr raises"
+
+    def score(self, view):
+        return -view.keys.float().norm(dim=-1)
+
+    def __repr__(self):
+        raise RuntimeError("raises_in_repr: repr failed on purpose")
