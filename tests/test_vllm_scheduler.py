@@ -1014,3 +1014,30 @@ def test_an_admission_that_fails_anyway_releases_no_context():
     out = s.schedule()
     assert "big" not in out.num_scheduled_tokens and len(s.trim.contexts.contexts) == 3
     assert getattr(out, PLAN_ATTR).released == ()
+
+
+@pytest.mark.parametrize("spec, prompt, new_tokens, context", [
+    ("lazyeviction:budget=64:window=8", 20, 5, None),  # never over its budget, yet due at every decode step
+    ("lazyeviction:budget=64:window=8", 100, 5, 50),  # its context's question appended whole before its first step
+    ("tova:budget=64", 20, 60, None), ("keydiff:compression_ratio=0.75", 100, 5, None),
+    ("streaming:budget=40", 100, 30, 50)])
+def test_a_request_sharing_cached_blocks_reserves_every_copy_its_first_compaction_writes(spec, prompt, new_tokens,
+                                                                                          context):
+    """A request that starts from cached blocks takes, when admitted, the spare blocks its first compaction copies
+    the shared ones into: never fewer than it copies (before, a LazyEviction request under its budget reserved
+    none and one whose context's question came whole reserved too few; on a full pool the copy found no block and
+    the request failed: seen in the chaos load)."""
+    s = make_scheduler(200, prefix_caching=True)
+    send = _hashed_requests(s)
+    tokens = list(range(1000, 1000 + prompt))
+    send("a", tokens, None, None, max_tokens=new_tokens)  # caches the prompt's full blocks
+    _outcomes(s)
+    send("b", tokens, spec, context, max_tokens=new_tokens)
+    state = s.trim.states["b"]
+    assert state.shares
+    spares, first = state.spares_needed, None  # (taken when it is admitted)
+    while first is None and s.has_requests():
+        _, due = step(s, plans=True)
+        first = due.get("b")
+    assert first is not None and first.copies and len(first.copies) <= spares, (first, spares)
+    assert _outcomes(s) == {"b": "LENGTH"}

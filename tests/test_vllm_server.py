@@ -514,6 +514,33 @@ def test_200_mixed_requests_all_complete_and_nothing_leaks(server):
     wait_idle(server.url, held=context_blocks(server))
 
 
+def test_a_minute_of_chaos_leaves_nothing_behind(server):
+    """The chaos load's short form (benchmarks/serving/chaos.py, a minute, 8 clients): every servable method,
+    document questions and bursts of 8 about one document at the same moment, client aborts mid-prefill and
+    mid-decode, bad specs, installed methods raising in `score`, `schedule`, `repr` and `on_attention`. Every
+    response is what its request should get (a 200 with its tokens, a 400 or a 500 in one line, or the client's
+    abort), and once idle, kvtrim's scheduler and worker hold no request and the same shared contexts, whose blocks
+    are all the pool holds."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "serving"))
+    import chaos
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
+    idle_lines = server.tail(100000).count("kvtrim: scheduler idle:")
+    load = chaos.run_load(server.url, tok, seconds=60, clients=8, seed=61)
+    kinds = {kind for kind, _ in load.outcomes}
+    assert not load.problems, load.problems
+    assert {"method", "document", "burst", "bad", "breaker"} <= kinds, load.outcomes
+    wait_idle(server.url, held=context_blocks(server))
+    log = server.tail(100000)
+    assert log.count("kvtrim: scheduler idle:") > idle_lines
+    assert not chaos.check_held(chaos.held(log)), chaos.held(log)
+    assert complete(server.url, ["The capital of France is"])[0]
+
+
 def recomputed_as_on_a_roomy_pool(server, samples, max_tokens: int, flags: list[str], salted: bool) -> None:
     """`samples` sent at once with KeyDiff at 0.75 (`ignore_eos`, `max_tokens` each; `salted`: each its own
     `cache_salt`) to `server` and to a 12-block server admitting as vLLM does (`flags` more): the small one

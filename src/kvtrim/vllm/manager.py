@@ -193,14 +193,21 @@ class TrimAttentionManager(FullAttentionManager):
 
     def _spares_needed(self, state: TrimRequest) -> int | None:
         """The fresh blocks a sharing request's first compaction may write: those of the most slots it keeps
-        after any compaction (after its prompt for a prompt-end method), or None when its method bounds nothing."""
+        after any compaction (after its prompt for a prompt-end method), or None when its method bounds nothing;
+        0 when none is ever planned (it never evicts, and its method has no state whose change is a compaction:
+        LazyEviction's is planned at every decode step, evicting or not)."""
         method, prompt = state.method, state.prompt_tokens
         total = self._total(state)
         self._peak(state)  # (whether it grows)
         kept = method.peak_stored(prompt, prompt if state.grows else total)
         if kept is None:
             return None
-        return 0 if kept >= total else blocks_needed(kept + 1, self.block_size)  # (+1: a decode step's hole)
+        if kept >= total and method.new_state(0) is None and not method.counts_by_decode_steps:
+            return 0
+        if method.peak_stored(prompt, prompt) >= prompt:  # nothing goes where its prompt ends: its first compaction
+            # comes later, maybe after the rest of its prompt (a context's question) was appended whole
+            kept = max(kept, state.request.num_prompt_tokens + 1)
+        return blocks_needed(min(kept, total) + 1, self.block_size)  # (+1: a decode step's hole)
 
     def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
         # vLLM indexes a request's full blocks by the hash of their tokens as they are scheduled: a compacting
