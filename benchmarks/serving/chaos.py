@@ -41,7 +41,7 @@ BREAKER = HERE.parents[1] / "tests" / "data" / "contract_breaker"
 #: name -> the server: model, tensor-parallel ranks, admission, pool blocks (128 tokens each), max_model_len
 PHASES = {
     "tp1": dict(model="smollm2-135m", tp=1, admission="peak", blocks=48, max_len=2048),
-    "tp1-vllm": dict(model="smollm2-135m", tp=1, admission="vllm", blocks=40, max_len=2048),
+    "tp1-vllm": dict(model="smollm2-135m", tp=1, admission="vllm", blocks=24, max_len=2048),
     "tp2": dict(model="qwen2.5-coder-0.5b", tp=2, admission="peak", blocks=48, max_len=2048),
 }
 
@@ -155,8 +155,9 @@ class Load:
             with concurrent.futures.ThreadPoolExecutor(8) as burst:
                 list(burst.map(one, range(8)))
         elif kind == "grow":  # long generations: the pool runs out, vLLM preempts (--admission vllm)
-            spec = rng.choice(["full", "keydiff:compression_ratio=0.5", "streaming:budget=80", "tova:budget=64"])
-            self.send(kind, text(rng, rng.randrange(100, 400)), rng.randrange(100, 250), {"kvtrim": spec})
+            spec = rng.choice(["full", "keydiff:compression_ratio=0.5", "streaming:budget=80", "tova:budget=64",
+                               "lagkv:compression_ratio=0.5"])
+            self.send(kind, text(rng, rng.randrange(200, 600)), rng.randrange(150, 400), {"kvtrim": spec})
         elif kind == "abort_prefill":
             spec = rng.choice(METHODS)[0]
             self.send(kind, text(rng, rng.randrange(900, 1500)), 16, {"kvtrim": spec}, timeout=rng.uniform(0.1, 1.0))
@@ -172,12 +173,12 @@ class Load:
 
 
 def run_load(url: str, tokenizer, seconds: float, clients: int = 12, seed: int = 0,
-             on_warm=None, warm_s: float = 0.0) -> Load:
-    """`clients` threads send jobs for `seconds`; `on_warm()` is called once after `warm_s` seconds. Returns the
-    load with its outcomes."""
+             every=None, every_s: float = 60.0) -> Load:
+    """`clients` threads send jobs for `seconds`; `every(seconds so far)` is called every `every_s` seconds
+    meanwhile. Returns the load with its outcomes."""
     load = Load(url, tokenizer, seed)
-    end = time.monotonic() + seconds
-    warm_at = time.monotonic() + warm_s
+    start = time.monotonic()
+    end = start + seconds
 
     def client(c: int) -> None:
         rng = random.Random(seed * 1000 + c)
@@ -186,10 +187,13 @@ def run_load(url: str, tokenizer, seconds: float, clients: int = 12, seed: int =
 
     with concurrent.futures.ThreadPoolExecutor(clients) as threads:
         futures = [threads.submit(client, c) for c in range(clients)]
-        if on_warm is not None:
-            while time.monotonic() < warm_at and not all(f.done() for f in futures):
+        if every is not None:
+            due = start + every_s
+            while not all(f.done() for f in futures):
+                if time.monotonic() >= due:
+                    every(time.monotonic() - start)
+                    due += every_s
                 time.sleep(1)
-            on_warm()
         for f in futures:
             f.result()
     return load
@@ -252,21 +256,23 @@ def check_held(h: dict) -> list[str]:
     return problems
 
 
-def rss_kb(pgid: int) -> int:
-    """The resident memory of every process of the server's process group (kB)."""
-    total = 0
+def rss_kb(pgid: int) -> dict[str, int]:
+    """The resident memory (kB) of each process of the server's process group, by its name and pid."""
+    out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
+                stat = f.read()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
             with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            out[f"{stat[stat.index('(') + 1:stat.rindex(')')]} {pid}"] = kb
         except (OSError, StopIteration, ValueError, IndexError):
             pass
-    return total
+    return out
 
 
 def run_phase(name: str, minutes: float, clients: int, out: pathlib.Path, seed: int) -> dict:
@@ -284,10 +290,10 @@ def run_phase(name: str, minutes: float, clients: int, out: pathlib.Path, seed: 
                     path=str(BREAKER))
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg["model"]), local_files_only=True)
-        rss = {}
+        samples = []  # (seconds into the load, {process: kB}), every half minute
         t0 = time.monotonic()
-        load = run_load(server.url, tok, minutes * 60, clients, seed,
-                        on_warm=lambda: rss.__setitem__("warm_kb", rss_kb(server.proc.pid)), warm_s=min(120, minutes * 20))
+        load = run_load(server.url, tok, minutes * 60, clients, seed, every_s=30,
+                        every=lambda t: samples.append((round(t), rss_kb(server.proc.pid))))
         seconds = time.monotonic() - t0
         g = wait_idle(server.url)
         answered = True
@@ -298,7 +304,7 @@ def run_phase(name: str, minutes: float, clients: int, out: pathlib.Path, seed: 
             load.problems.append(f"the server did not answer after the load: {err}")
         wait_idle(server.url)
         time.sleep(2)
-        rss["end_kb"] = rss_kb(server.proc.pid)
+        samples.append((round(time.monotonic() - t0), rss_kb(server.proc.pid)))
         log = server.log_text()
     finally:
         server.stop()
@@ -307,17 +313,21 @@ def run_phase(name: str, minutes: float, clients: int, out: pathlib.Path, seed: 
     tracebacks = log.count("Traceback (most recent call last)")
     if tracebacks:
         problems.append(f"{tracebacks} tracebacks in the log")
-    growth = rss["end_kb"] / rss["warm_kb"] - 1 if rss.get("warm_kb") else None
+    # warmed up: the sample a third into the load (allocators and caches grown to the load's working set)
+    warm = next((kb for t, kb in samples if t >= seconds / 3), None)
+    end_kb = sum(samples[-1][1].values())
+    growth = end_kb / sum(warm.values()) - 1 if warm else None
     if growth is None or growth > 0.05:
-        problems.append(f"RSS grew by {growth:.1%}" if growth is not None else "no RSS after warm-up")
+        problems.append(f"RSS grew by {growth:.1%} after warm-up" if growth is not None else "no RSS after warm-up")
     outcomes = collections.defaultdict(dict)
     for (kind, outcome), n in sorted(load.outcomes.items()):
         outcomes[kind][outcome] = n
     return {"phase": name, **cfg, "minutes": minutes, "clients": clients, "seconds": round(seconds, 1),
             "server_start_s": round(server.start_s, 1), "wall_s": round(time.monotonic() - started, 1),
             "requests": sum(load.outcomes.values()), "outcomes": outcomes, "answered_after": answered,
-            "preemptions": g.get("vllm:num_preemptions_total"), "held_when_idle": h, "rss_warm_kb": rss.get("warm_kb"),
-            "rss_end_kb": rss["end_kb"], "rss_growth": None if growth is None else round(growth, 4),
+            "preemptions": g.get("vllm:num_preemptions_total"), "held_when_idle": h,
+            "rss_warm_kb": sum(warm.values()) if warm else None, "rss_end_kb": end_kb,
+            "rss_growth": None if growth is None else round(growth, 4), "rss_samples": samples,
             "tracebacks": tracebacks, "shared_contexts_registered": log.count("shares its context"),
             "contexts_released_for_room": sum(int(n) for n in re.findall(r"(\d+) shared contexts released for room", log)),
             "problems": problems, "ok": not problems}
@@ -344,6 +354,13 @@ def write(out: pathlib.Path, runs: list[dict], header: dict) -> None:
     for r in runs:
         lines.append(f"* {r['phase']}: " + "; ".join(f"{kind} " + ", ".join(f"{o} {n}" for o, n in outs.items())
                                                      for kind, outs in r["outcomes"].items()))
+        samples = r["rss_samples"]
+        if samples:
+            lines.append(f"  * RSS by process (MB), at {samples[0][0]} s -> a third in -> the end: " + "; ".join(
+                f"{name.split()[0]} " + " -> ".join(f"{kb.get(name, 0) / 1024:.0f}" for _, kb in
+                                                   (samples[0], next((x for x in samples if x[0] >= r['seconds'] / 3),
+                                                                     samples[-1]), samples[-1]))
+                for name in samples[-1][1]))
         lines += [f"  * problem: {p}" for p in r["problems"]]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
