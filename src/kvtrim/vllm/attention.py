@@ -252,6 +252,10 @@ class QueryTap:
         per_layer = self.queries.get(req_id, {})
         return [per_layer[i] for i in sorted(per_layer)]
 
+    def holding(self) -> int:
+        """How many requests it holds query rows or windows of (0 once every request ended)."""
+        return len(set(self.rows) | set(self.windows) | set(self.queries) | set(self.filled) | set(self.last))
+
     def forget(self, req_id: str) -> None:
         for d in (self.rows, self.windows, self.queries, self.filled, self.last_rows, self.last):
             d.pop(req_id, None)

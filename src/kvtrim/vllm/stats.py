@@ -25,6 +25,8 @@ class WorkerStats:
     attended_s: float = 0.0
     #: of the compactions, those decided in a batch with other requests' (`kvtrim.vllm.live_batch`)
     batched: int = 0
+    #: seconds spent giving freed heap memory back to the system (`kvtrim.vllm.memory`)
+    trim_s: float = 0.0
 
     def line(self) -> str:
         """`kvtrim: stats steps=... step_s=... ...` (seconds to the millisecond)."""

@@ -46,6 +46,7 @@ from kvtrim.vllm.compact import compact
 from kvtrim.vllm.contexts import ContextEntries
 from kvtrim.vllm.entries import WorkerRequest
 from kvtrim.vllm.live_batch import batch_groups, decide_group
+from kvtrim.vllm.memory import HeapTrimmer
 from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
 from kvtrim.vllm.ranks import gather_failures
 from kvtrim.vllm.stats import WorkerStats
@@ -103,6 +104,8 @@ class TrimModelRunner(CPUModelRunner):
         self._kvtrim_broken: dict[str, Exception] = {}
         #: a forward ran since the worker last said it was idle
         self._kvtrim_busy = False
+        #: gives the heap memory freed back to the system now and then (`kvtrim.vllm.memory`)
+        self._kvtrim_heap = HeapTrimmer()
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -321,8 +324,10 @@ class TrimModelRunner(CPUModelRunner):
                 self._log_stats()
         elif self._kvtrim_busy:  # the step that tells the worker the last requests ended: what it still holds
             self._kvtrim_busy = False
+            self.kvtrim_stats.trim_s += self._kvtrim_heap.trim(idle=True)
             logger.info("kvtrim: worker idle: %d requests, %d shared contexts, %d query windows held",
-                        len(self.kvtrim_requests), len(self.kvtrim_contexts), len(self.kvtrim_tap.windows))
+                        len(self.kvtrim_requests), len(self.kvtrim_contexts), self.kvtrim_tap.holding())
+        self.kvtrim_stats.trim_s += self._kvtrim_heap.trim()
         return out
 
     def sample_tokens(self, *args, **kwargs):
