@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvtrim import register_method
 from kvtrim.methods import ScoringMethod
 from kvtrim.methods.base import Phase
+from kvtrim.methods.knorm import KNorm
 from kvtrim.methods.snapkv import SnapKV
 from kvtrim.methods.tova import TOVA
 
@@ -108,14 +109,12 @@ class RaisesInWorkerPromptQueries(SnapKV):
 
 @register_method
 @dataclass(kw_only=True)
-class RaisesInSchedule(ScoringMethod):
-    """KNorm whose `schedule` raises (the scheduler asks it of each request it adds): the server's front end asks it first and answers a 400 with the one line."""
+class RaisesInSchedule(KNorm):
+    """KNorm whose `schedule` raises (the scheduler asks it of each request it adds): the server's front end asks it
+    first and answers a 400 with the one line."""
 
     name = "raises_in_schedule"
     summary = "test only: KNorm whose schedule raises"
-
-    def score(self, view):
-        return -view.keys.float().norm(dim=-1)
 
     def schedule(self):
         raise RuntimeError("raises_in_schedule: schedule failed on purpose")
@@ -123,15 +122,12 @@ class RaisesInSchedule(ScoringMethod):
 
 @register_method
 @dataclass(kw_only=True)
-class RaisesInRepr(ScoringMethod):
+class RaisesInRepr(KNorm):
     """KNorm whose `repr` raises (a shared context's key holds it): the server's front end asks it first and answers
     a 400 with the one line."""
 
     name = "raises_in_repr"
     summary = "test only: KNorm whose repr raises"
-
-    def score(self, view):
-        return -view.keys.float().norm(dim=-1)
 
     def __repr__(self):
         raise RuntimeError("raises_in_repr: repr failed on purpose")
