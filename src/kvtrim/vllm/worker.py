@@ -19,7 +19,7 @@ What the runner adds to vLLM's (`CPUModelRunner`, V1):
   that request with an error (`TrimScheduler.update_from_output`) while every other request goes on;
 * the attention hand-off (`kvtrim.vllm.attention`, registered when this module is imported; `load_model` attaches one
   `QueryTap` to every attention layer, `kvtrim_attention`: every layer's impl is kvtrim's): each forward
-  (`_prepare_inputs`) plans which query rows to copy (the last `kvtrim_query_window(req_id)` positions of a prompt or
+  (`_prepare_inputs`) plans which query rows to copy (`kvtrim.vllm.query_rows`) (the last `kvtrim_query_window(req_id)` positions of a prompt or
   prompt block, across prefill chunks: SnapKV, TOVA; every prefill row for H2O, whose prompt attention is summed
   chunk by chunk, `WorkerRequest.prompt_sums`; a due forward's rows after the prompt: TOVA, H2O) and, for a due
   decode step of a method fed only its probabilities, has the backend compute the step's probabilities for all such
@@ -40,27 +40,28 @@ import numpy as np
 import torch
 
 from kvtrim.methods.base import EvictionMethod, KvtrimError, Phase, one_line
-from kvtrim.vllm.block_io import add_prompt_sums, copy_blocks, layers_as_blocks
+from kvtrim.vllm.block_io import copy_blocks, layers_as_blocks
 from kvtrim.vllm.block_table import drop_tail_blocks, replace_blocks
 from kvtrim.vllm.compact import compact
 from kvtrim.vllm.contexts import ContextEntries
 from kvtrim.vllm.entries import WorkerRequest
 from kvtrim.vllm.live_batch import batch_groups, decide_group
 from kvtrim.vllm.memory import HeapTrimmer
-from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, block_end, prompt_block, slots_held
+from kvtrim.vllm.planning import FAILED_ATTR, PLAN_ATTR, StepPlan, slots_held
 from kvtrim.vllm.ranks import gather_failures
 from kvtrim.vllm.stats import WorkerStats
 from kvtrim.vllm.config import refuse_features, server_method
 from kvtrim.vllm.kv_spec import trim_spec
 from kvtrim.vllm import kernels, layout as cpu_vec
 from kvtrim.vllm.block_layout import CPU_BACKEND, block_layout
-from kvtrim.vllm.spec import method_for_vllm, prompt_queries, prompt_sums, request_context, request_method
+from kvtrim.vllm.spec import method_for_vllm, prompt_sums, request_context, request_method
 from kvtrim.vllm.worker_check import check_vllm_version
 
 
 check_vllm_version()
 
 from kvtrim.vllm import attention  # noqa: E402
+from kvtrim.vllm.query_rows import QueryRows  # noqa: E402
 
 attention.register()  # the worker process imports this module before it builds the model
 
@@ -72,7 +73,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: E402
 logger = init_logger("vllm.kvtrim")  # under vLLM's logger, so its handler prints it
 
 
-class TrimModelRunner(CPUModelRunner):
+class TrimModelRunner(QueryRows, CPUModelRunner):
     """vLLM's CPU model runner plus compaction at the prompt's end (see the module docstring)."""
 
     def __init__(self, vllm_config, device):
@@ -123,20 +124,6 @@ class TrimModelRunner(CPUModelRunner):
             logger.warning("kvtrim: no attention hand-off (%s): requests whose method needs queries fail at their prompt's end",
                            f"layer {missing[0]} has {type(layers[missing[0]].impl).__name__}" if missing
                            else "no attention layers")
-
-    def kvtrim_query_window(self, req_id: str) -> int:
-        """How many of the last positions of request `req_id`'s prompt (or of each prompt block, `prompt_block`) its
-        queries are copied for (0: none): what its method reads there (`prompt_queries()`). 0 without the hand-off
-        (`kvtrim_attention` False): whatever reads the queries finds none and fails that request only."""
-        method = self.kvtrim_method(req_id)
-        if method is None or not method.needs_queries or not self.kvtrim_attention:
-            return 0
-        return prompt_queries(method)
-
-    def kvtrim_prompt_queries(self, req_id: str) -> list[torch.Tensor] | None:
-        """Request `req_id`'s last `kvtrim_query_window` queries of its prompt (block), per layer `(q_heads, W,
-        head_dim)` post-RoPE in the model's dtype, once the forward that completes it has run; else None."""
-        return self.kvtrim_tap.window(req_id)
 
     def kvtrim_request(self, req_id: str) -> WorkerRequest:
         """Request `req_id`'s state (started at its first forward, with its method)."""
@@ -226,28 +213,6 @@ class TrimModelRunner(CPUModelRunner):
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
         return out
 
-    def _kvtrim_plan_rows(self, req_id: str, req: WorkerRequest, i: int, computed: int, scheduled: int, due) -> None:
-        """Plan what this forward copies for request `req_id` (the batch's `i`-th, tokens `computed` ..
-        `computed + scheduled - 1`, compacted after it when `due`): its prompt (block)'s last queries, a due decode
-        step's probabilities or an append's queries, its prompt rows' attention sums."""
-        prompt, method = req.prompt_tokens, req.method
-        if computed < prompt and scheduled:  # a prompt forward: does it copy queries?
-            self._kvtrim_plan_queries(req_id, i, computed, scheduled, prompt)
-        if due is not None and due.steps[-1].phase is not Phase.PREFILL and self.kvtrim_attention and method.needs_attention:
-            # its decode step's (or append's) queries: the compaction computes a decode step's probabilities
-            row_end = int(self.query_start_loc.np[i] + scheduled)
-            if method.attention_only_decode and len(due.steps) == 1 and due.steps[0].phase is Phase.DECODE:
-                # its step's probabilities (and query), computed by the attention backend for all such requests at once
-                self.kvtrim_tap.plan_probs(req_id, row_end - 1, self.requests[req_id].block_ids[0],
-                                           computed + scheduled - req.discarded)
-            else:
-                self.kvtrim_tap.plan_last(req_id, row_end - due.steps[-1].tokens, row_end)
-        if computed < prompt and scheduled and self.kvtrim_attention and prompt_sums(method):
-            # every row of this forward (its prompt rows, then any tokens after the prompt: a recomputed request's)
-            row_start = int(self.query_start_loc.np[i])
-            self.kvtrim_tap.plan_last(req_id, row_start, row_start + scheduled)
-            self._kvtrim_sum_rows[req_id] = (computed, min(scheduled, prompt - computed))
-
     def _kvtrim_shared_contexts(self, plan: StepPlan) -> None:
         """Before the forward: copy contexts' last blocks into their new readers' own, and start each new reader's
         state as its context's entries (`kvtrim.vllm.contexts`)."""
@@ -262,24 +227,6 @@ class TrimModelRunner(CPUModelRunner):
                 req.entries = entries.entries()
                 logger.info("kvtrim: request %s starts from a shared context: %d tokens as %d entries", req_id,
                             entries.seen, entries.seen - discarded)
-
-    def _kvtrim_plan_queries(self, req_id: str, row: int, computed: int, scheduled: int, prompt: int) -> None:
-        """Plan the copy of the query rows of request `req_id` (the batch's `row`-th) that fall in the last window
-        of its prompt block (the whole prompt, unless its method reads it in blocks: `prompt_block`), in this
-        forward over positions `[computed, computed + scheduled)` (never across a block's end: the scheduler)."""
-        window = self.kvtrim_query_window(req_id)
-        if not window:
-            return
-        block = prompt_block(self.kvtrim_method(req_id))
-        start, stop = (0, prompt) if block is None else (computed // block * block, block_end(computed, prompt, block))
-        if computed == start:  # a block's first forward: an earlier block's window was read, or never will be
-            self.kvtrim_tap.forget(req_id)
-        window = min(window, stop - start)
-        rows = attention.window_rows(computed, scheduled, stop, window)
-        if rows is not None:
-            first = int(self.query_start_loc.np[row]) - computed  # the query row of position 0
-            lo, hi = rows
-            self.kvtrim_tap.plan(req_id, first + lo, first + hi, lo - (stop - window), window)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         start = time.perf_counter()
@@ -353,26 +300,6 @@ class TrimModelRunner(CPUModelRunner):
         """The one cleanup path: a request that ends, or starts over, leaves nothing behind."""
         self.kvtrim_requests.pop(req_id, None)
         self.kvtrim_tap.forget(req_id)
-
-    def _kvtrim_add_prompt_sums(self, req_id: str, computed: int, rows: int) -> None:
-        """Add the column sums of the causal attention of request `req_id`'s prompt rows of this forward (positions
-        `computed .. computed + rows - 1`) to its `WorkerRequest.prompt_sums` (`add_prompt_sums`), from the queries the tap
-        copied; the queries are dropped (those of tokens after the prompt, a recomputed request's, stay for its
-        compaction)."""
-        queries = self.kvtrim_tap.take_last(req_id)
-        if queries is None:
-            return  # nothing copied: its compaction finds no sums and fails that request alone
-        req, state = self.kvtrim_request(req_id), self.requests[req_id]
-        method = req.method
-        if rows < queries[0].shape[1]:
-            self.kvtrim_tap.last[req_id] = {idx: q[:, rows:] for idx, q in enumerate(queries)}
-        sums = req.prompt_sums
-        if sums is None:
-            h = self.kv_caches[0].shape[1]
-            sums = req.prompt_sums = [torch.zeros(h, req.prompt_tokens) for _ in self.kv_caches]
-        add_prompt_sums(sums, self.kv_caches, torch.tensor(state.block_ids[0], dtype=torch.long),
-                        [q[:, :rows] for q in queries], computed, self.kvtrim_scales, method.prefill_block,
-                        self._kvtrim_layout)
 
     def _compact(self, req_id: str, plan, end: int) -> None:
         """Compact request `req_id` as the scheduler's `plan` (a `Due`) says, after a forward that brought it
